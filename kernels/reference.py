@@ -1,0 +1,252 @@
+"""Executable spec of NVFP4 per-token quantization in plain torch (CPU or GPU).
+
+Every other implementation (Triton kernels, engine adapters, converters) is tested against these
+functions. The float operations and their order follow vLLM's emulation reference
+(`nvfp4_emulation_utils.ref_nvfp4_quant`) so that codes and scales agree bit for bit:
+
+  S_enc  = 2688 / amax                      (fp32; amax == 0 -> 1; clamped to fp32 max)
+  S_dec  = 1 / S_enc                        (fp32, the stored `global_scale`)
+  s      = e4m3_rn_satfinite(S_enc * (block_amax * (1/6)))
+  q      = e2m1_rn_satfinite(x * (1 / (float(s) * S_dec)))    (1/0 := 0, so zero blocks give 0)
+  x'     = e2m1(q) * float(s) * S_dec
+
+Non-finite input (NaN, +-Inf) raises ValueError: an amax of Inf or NaN would silently poison every
+scale of the row or tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+from .format import (BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, GLOBAL_ENCODE_NUMERATOR, SWIZZLE_COLS,
+                     SWIZZLE_ROWS, NVFP4Tensor)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# E2M1 round-to-nearest-even decision points on |x|: code c+1 starts at _THRESH[c];
+# a tie goes to the even code, hence strict '>' above odd codes and '>=' above even ones.
+_THRESH = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _check_input(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected one of {_FLOAT_DTYPES}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"{name}: last dim K={x.shape[-1] if x.dim() else None} must be a multiple of {BLOCK}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name}: contains NaN or Inf; NVFP4 quantization needs finite input")
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """1/x with 1/0 := 0 (fp32)."""
+    return torch.where(x == 0, torch.zeros_like(x), 1.0 / x)
+
+
+def encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 2688 / amax in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape."""
+    amax = amax.float()
+    s_enc = GLOBAL_ENCODE_NUMERATOR / amax
+    s_enc = torch.clamp(s_enc, max=torch.finfo(torch.float32).max)
+    return torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+
+
+def decode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """S_dec = 1 / S_enc in fp32, the `global_scale` stored with codes. Any shape."""
+    return 1.0 / encode_scale_from_amax(amax)
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """float32 values already in E2M1 range units -> uint8 codes in [0, 15] (unpacked).
+
+    Round to nearest, ties to even, saturate at +-6; bit 3 is the sign bit of x (-0.1 -> 0x8).
+    """
+    a = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for t, inclusive in _THRESH:
+        code += (a >= t if inclusive else a > t).to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15] (unpacked) -> float32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K] codes -> uint8 [..., K/2] bytes, even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] bytes -> uint8 [..., K] codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Tensor) -> NVFP4Tensor:
+    """x [..., K]; block_amax [..., K/16] fp32; s_enc fp32 whose shape is a prefix of x.shape[:-1]."""
+    s_enc_b = s_enc.reshape(*s_enc.shape, *([1] * (x.dim() - s_enc.dim())))    # [..., 1]
+    scale = s_enc_b * (block_amax * _reciprocal(torch.tensor(E2M1_MAX)))         # [..., K/16]
+    scale = torch.clamp(scale, min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s_dec_b = _reciprocal(s_enc_b)
+    inv = _reciprocal(scale.float() * s_dec_b)                                   # [..., K/16]
+    xb = x.float().unflatten(-1, (-1, BLOCK))                                   # [..., K/16, 16]
+    scaled = torch.clamp(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
+    codes = pack_nibbles(e2m1_encode(scaled).flatten(-2))
+    return NVFP4Tensor(codes, scale, _reciprocal(s_enc.float()).contiguous())
+
+
+def _block_amax_1d(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> fp32 [..., K/16], amax of each 1x16 block."""
+    return x.abs().float().unflatten(-1, (-1, BLOCK)).amax(-1)
+
+
+def _block_amax_2d(w: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] -> fp32 [..., N, K/16]: amax of the 16x16 tile each 1x16 block lies in.
+
+    N need not be a multiple of 16: the last tile is padded with zeros (as TransformerEngine does).
+    """
+    n = w.shape[-2]
+    pad = (-n) % BLOCK
+    a = _block_amax_1d(w)                                                     # [..., N, K/16]
+    if pad:
+        a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
+    tiles = a.unflatten(-2, (-1, BLOCK)).amax(-2, keepdim=True)              # [..., N/16, 1, K/16]
+    return tiles.expand(*tiles.shape[:-2], BLOCK, a.shape[-1]).flatten(-3, -2)[..., :n, :]
+
+
+def quantize_per_token(x: torch.Tensor) -> NVFP4Tensor:
+    """Per-token NVFP4: x [..., K] float -> codes [..., K/2], scales [..., K/16], global_scale [...].
+
+    Each row has its own S_dec = amax_row / 2688, so a row's codes do not depend on other rows.
+    """
+    _check_input(x, "x")
+    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(x.abs().float().amax(-1)))
+
+
+def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Per-tensor NVFP4: one S_dec for the whole tensor (global_scale shape []).
+
+    amax: optional fp32 scalar (a calibrated or shared amax) used instead of max|x|.
+    """
+    _check_input(x, "x")
+    amax = x.abs().float().amax() if amax is None else amax.float().reshape(())
+    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax))
+
+
+def quantize_activations(x: torch.Tensor, *, scaling: str = "per_token") -> NVFP4Tensor:
+    """Quantize activations x [..., K] with scaling "per_token" (default) or "per_tensor"."""
+    if scaling == "per_token":
+        return quantize_per_token(x)
+    if scaling == "per_tensor":
+        return quantize_per_tensor(x)
+    raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
+
+
+def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize a weight [N, K] (global_scale []) or stacked experts [E, N, K] (global_scale [E]).
+
+    recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles, TransformerEngine's weight recipe: every tile
+      shares one scale, so the transposed weight quantizes to the same values).
+    amax: optional fp32 [] or [E] overriding max|w| (e.g. the max over a fused q/k/v group).
+    """
+    _check_input(w, "weight")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if recipe == "1d":
+        block_amax = _block_amax_1d(w)
+    elif recipe == "2d":
+        block_amax = _block_amax_2d(w)
+    else:
+        raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    if amax is None:
+        amax = w.abs().float().amax(dim=(-2, -1))
+    s_enc = encode_scale_from_amax(amax)                                      # [] or [E]
+    return _quantize_blocks(w, block_amax, s_enc)
+
+
+def dequantize(t: NVFP4Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """NVFP4Tensor -> dense [..., K] in dtype: e2m1(q) * float(s) * S_dec (computed in fp32)."""
+    return (dequantize_unscaled(t) * t.row_global_scale()[..., None]).to(dtype)
+
+
+def dequantize_unscaled(t: NVFP4Tensor) -> torch.Tensor:
+    """e2m1(q) * float(s) as fp32 [..., K]: at most 6 significant bits, so exact in BF16 too."""
+    vals = e2m1_decode(unpack_nibbles(t.codes)).unflatten(-1, (-1, BLOCK))
+    return (vals * t.block_scales.float()[..., None]).flatten(-2)
+
+
+def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """out [M, N] = (deq(a) @ deq(w).T): a [M, K] (global_scale [M] or []), w [N, K] ([N] or []).
+
+    The block products e2m1*e4m3 are exact (BF16-representable); accumulation is FP32 and the
+    second-level scales are applied per row (a) and per column (w) in the epilogue.
+    """
+    if a.codes.dim() != 2 or w.codes.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"nvfp4_gemm expects a [M, K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
+    acc = dequantize_unscaled(a) @ dequantize_unscaled(w).T                    # [M, N] fp32
+    out = acc * a.row_global_scale()[:, None] * w.row_global_scale()[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
+           scaling: str = "per_token") -> torch.Tensor:
+    """W4A4 linear: x [..., K] (float) quantized per token, times w [N, K] -> [..., N] in x.dtype."""
+    a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling)
+    return nvfp4_gemm(a, w, bias=bias, out_dtype=x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor) -> torch.Tensor:
+    """W4A4 SwiGLU MoE with per-token activations. Routing is done by the caller.
+
+    x [T, H] float; w13 [E, 2I, H] (gate rows then up rows, global_scale [E]); w2 [E, H, I];
+    topk_weights [T, k] float; topk_ids [T, k] int. Returns [T, H] in x.dtype.
+    Each token is quantized once for w13; the SwiGLU output of each (token, expert) pair is
+    quantized per row for w2; expert outputs are summed in fp32 weighted by topk_weights.
+    """
+    a = quantize_per_token(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        we13 = _expert(w13, e)
+        h = nvfp4_gemm(_rows(a, tok), we13, out_dtype=torch.float32)         # [t, 2I]
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+        y = nvfp4_gemm(quantize_per_token(act), _expert(w2, e), out_dtype=torch.float32)  # [t, H]
+        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
+def _expert(w: NVFP4Tensor, e: int) -> NVFP4Tensor:
+    """Expert e of a stacked [E, N, K] weight as an [N, K] NVFP4Tensor."""
+    gs = w.global_scale[e] if w.global_scale.dim() else w.global_scale
+    return NVFP4Tensor(w.codes[e], w.block_scales[e], gs)
+
+
+def _rows(a: NVFP4Tensor, idx: torch.Tensor) -> NVFP4Tensor:
+    """Rows idx of a per-token [M, K] NVFP4Tensor."""
+    return NVFP4Tensor(a.codes[idx], a.block_scales[idx], a.global_scale[idx])
+
+
+def swizzle_scales_128x4(scales: torch.Tensor) -> torch.Tensor:
+    """Linear block scales [M, Ksf] -> swizzled [roundup(M,128), roundup(Ksf,4)] (zero padded).
+
+    Element (m, k) lands at flat offset (m//128)*(Kp*128) + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4
+    + k%4, the layout CUTLASS / cuBLAS / FlashInfer FP4 GEMMs read (Kp = roundup(Ksf, 4)).
+    """
+    m, k = scales.shape
+    mp, kp = -(-m // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-k // SWIZZLE_COLS) * SWIZZLE_COLS
+    padded = torch.zeros((mp, kp), dtype=scales.dtype, device=scales.device)
+    padded[:m, :k] = scales
+    tiles = padded.view(torch.uint8).reshape(mp // 128, 4, 32, kp // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(mp, kp).view(scales.dtype)
+
+
+def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of swizzle_scales_128x4: [Mp, Kp] swizzled -> linear [rows, cols]."""
+    mp, kp = swizzled.shape
+    tiles = swizzled.view(torch.uint8).reshape(mp // 128, kp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(mp, kp)[:rows, :cols].view(swizzled.dtype).contiguous()
