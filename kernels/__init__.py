@@ -2,13 +2,14 @@
 
 Imports torch only; triton is imported lazily by the GPU backends.
 """
+from . import dispatch
 from .format import BLOCK, E2M1_MAX, E4M3_MAX, GLOBAL_ENCODE_NUMERATOR, NVFP4Tensor
 from .reference import (decode_scale_from_amax, dequantize, encode_scale_from_amax, nvfp4_gemm,
                         quantize_activations, quantize_per_tensor, quantize_per_token, quantize_weight,
                         swizzle_scales_128x4, unswizzle_scales_128x4)
 
 __all__ = [
-    "BLOCK", "E2M1_MAX", "E4M3_MAX", "GLOBAL_ENCODE_NUMERATOR", "NVFP4Tensor",
+    "dispatch", "BLOCK", "E2M1_MAX", "E4M3_MAX", "GLOBAL_ENCODE_NUMERATOR", "NVFP4Tensor",
     "decode_scale_from_amax", "dequantize", "encode_scale_from_amax", "nvfp4_gemm",
     "quantize_activations", "quantize_per_tensor", "quantize_per_token", "quantize_weight",
     "swizzle_scales_128x4", "unswizzle_scales_128x4",
