@@ -1,0 +1,394 @@
+"""Streaming conversion of learner tensors to the sampler layout (converters/schema.py).
+
+    convert(src, dst, options)        -> ConvertSummary   files: safetensors shards + index + config.json
+    iter_buckets(source, options)     -> Iterator[dict]   checkpoint-named tensors for a weight update
+
+Tensors are read one at a time, converted, and collected in buckets of at most
+`options.bucket_bytes` output bytes (a group P.weight/P.weight_scale/P.weight_scale_2 never spans
+two buckets); a full bucket is written as one shard (or yielded) and dropped. Peak memory is the
+bucket plus one source tensor and its conversion temporaries.
+
+Sources of a quantized linear:
+  float tensor      quantized with `kernels.dispatch.quantize_weight_on(recipe=...)` on options.device
+  TENVFP4Weight     TransformerEngine storage: codes and scales copied byte for byte (0 bits changed)
+  NVFP4Tensor       already in the sampler format: copied
+Every check that needs no data (architecture, names, shapes, dtypes, K % 16, TP divisibility) runs
+before the first tensor is converted; files appear at `dst` only once all are written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+
+from kernels import dispatch, reference
+from kernels.format import BLOCK, NVFP4Tensor
+from sampler_plugin.config import SamplerConfig
+
+from . import name_map, schema
+from .sources import SafetensorsFolder, SourceValue, StateDictSource, TENVFP4Weight, value_nbytes, value_spec
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """recipe: the learner's weight recipe, "1d" (1x16 blocks) or "2d" (16x16 tiles, TE's).
+    keep_bf16: module-name prefixes left in BF16 (on top of lm_head, embeddings, routers).
+    tp: write the checkpoint pre-sharded for this many tensor-parallel ranks (files only).
+    device: where float weights are quantized ("cpu", "cuda", "cuda:1"); backend: kernels backend.
+    bucket_bytes: output bytes per shard / per yielded bucket.
+    report: compute per-tensor errors (one dequantize per tensor).
+    """
+
+    recipe: str = "1d"
+    keep_bf16: tuple[str, ...] = ()
+    tp: int = 1
+    device: str = "cpu"
+    backend: str = "auto"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    report: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
+        self.sampler_config()   # validates recipe and keep_bf16
+
+    def sampler_config(self) -> SamplerConfig:
+        """The quantization_config written with the converted weights."""
+        return SamplerConfig(weight_recipe=self.recipe, keep_bf16=self.keep_bf16, prequantized=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorReport:
+    """Errors of one quantized linear weight [N, K].
+
+    quant_*: dequantized NVFP4 vs the float source (relative Frobenius norm, max abs); None when the
+      source holds no float weight (TE / NVFP4 sources).
+    conv_*: conversion error for NVFP4 sources (TE, NVFP4Tensor): max |decoded before - decoded
+      after| and the number of bits that differ in codes, block scales and global scale; None for
+      float sources. Both are 0 by construction; the report proves it per tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+    quant_rel_fro: float | None = None
+    quant_max_abs: float | None = None
+    conv_max_abs: float | None = None
+    conv_bits_changed: int | None = None
+
+
+@dataclasses.dataclass
+class ConvertSummary:
+    """What a conversion did; `table()` renders the worst tensors."""
+
+    tensors_in: int = 0
+    tensors_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    peak_tracked_bytes: int = 0
+    reports: list[TensorReport] = dataclasses.field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_in / self.seconds / 1e9 if self.seconds else 0.0
+
+    def table(self, *, top: int = 10) -> str:
+        """The `top` tensors by conversion error, then quantization error, as a text table."""
+        def key(r: TensorReport):
+            return (r.conv_bits_changed or 0, r.conv_max_abs or 0.0, r.quant_rel_fro or 0.0)
+        rows = sorted(self.reports, key=key, reverse=True)[:top]
+        fmt = "{:<56} {:>14} {:>5} {:>10} {:>10} {:>10} {:>6}"
+        lines = [fmt.format("tensor", "shape", "src", "q_relfro", "q_maxabs", "c_maxabs", "c_bits")]
+        for r in rows:
+            num = [("-" if v is None else f"{v:.3e}") for v in (r.quant_rel_fro, r.quant_max_abs, r.conv_max_abs)]
+            lines.append(fmt.format(r.name[-56:], "x".join(map(str, r.shape)), r.source, *num,
+                                    "-" if r.conv_bits_changed is None else r.conv_bits_changed))
+        return "\n".join(lines)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _popcount_xor(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of differing bits between two tensors of equal shape and byte size."""
+    x = a.contiguous().view(torch.uint8) ^ b.contiguous().view(torch.uint8)
+    return int(sum(((x >> i) & 1).sum().item() for i in range(8)))
+
+
+class _Converter:
+    """Checks and converts the tensors of one source under one set of options."""
+
+    def __init__(self, source: SafetensorsFolder | StateDictSource, options: ConvertOptions):
+        self.source, self.options = source, options
+        self.hf_config = source.config
+        schema.check_architecture(self.hf_config)
+        self.config = options.sampler_config()
+        if options.tp > 1:
+            for key, count in schema.tp_divisors(self.hf_config).items():
+                if count % options.tp:
+                    raise ValueError(f"--tp {options.tp} does not divide {key}={count}")
+        self.device = torch.device(options.device)
+        self.summary = ConvertSummary()
+        self._live = 0                       # bytes held by buckets + the current tensor
+        specs = source.specs()
+        if specs is not None:
+            for name, shape, dtype in specs:
+                for m in name_map.expand(name, shape):
+                    self._check(m.name, _mapped_shape(shape, m), dtype)
+
+    # ---- checks (no data) ----
+    def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> None:
+        """Validate one sampler tensor (dtype None: an NVFP4 value). Raises ValueError naming it."""
+        expected = schema.expected_shape(name, self.hf_config)
+        if expected is not None and tuple(shape) != expected:
+            raise ValueError(f"{name}: shape mismatch, got {list(shape)}, the model config expects {list(expected)}")
+        quantized = schema.is_quantized(name, self.config)
+        if quantized:
+            if dtype is not None and dtype not in schema.FLOAT_DTYPES:
+                raise ValueError(f"{name}: dtype mismatch, a linear weight must be one of "
+                                 f"{[str(d) for d in schema.FLOAT_DTYPES]} or NVFP4, got {dtype}")
+            if len(shape) != 2 or shape[-1] % BLOCK:
+                raise ValueError(f"{name}: K={shape[-1] if shape else None} is not a multiple of {BLOCK} "
+                                 f"(shape {list(shape)}); NVFP4 needs 16-element blocks")
+        elif dtype is None:
+            raise ValueError(f"{name}: source is NVFP4 but the sampler keeps this module in BF16 "
+                             f"(always-BF16 module or keep_bf16={list(self.config.keep_bf16)})")
+        dim = schema.tp_dim(name)
+        if self.options.tp > 1 and dim is not None and dim < len(shape):
+            unit = BLOCK * self.options.tp if (quantized and dim == 1) else self.options.tp
+            if shape[dim] % unit:
+                what = "on a 16-element block boundary " if unit != self.options.tp else ""
+                raise ValueError(f"{name}: dim {dim} of size {shape[dim]} cannot be split {what}"
+                                 f"into {self.options.tp} tensor-parallel ranks")
+
+    # ---- conversion of one tensor ----
+    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Output groups (a quantized triplet or one kept tensor), in source order."""
+        for src_name, value in self.source.tensors():
+            shape, dtype = value_spec(value)
+            self.summary.tensors_in += 1
+            self.summary.bytes_in += value_nbytes(value)
+            self._track(value_nbytes(value))
+            for m in name_map.expand(src_name, shape):
+                part = value if m.index is None else value[m.index]
+                self._check(m.name, _mapped_shape(shape, m), dtype)
+                group = self._convert(m.name, part)
+                self.summary.tensors_out += len(group)
+                yield group
+            self._track(-value_nbytes(value))
+            del value
+
+    def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
+        if not schema.is_quantized(name, self.config):
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"{name}: contains NaN or Inf")
+            t = value.to(self.device)
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                t = t.clone()            # a slice of a fused tensor: do not keep the whole tensor alive
+            return {name: t}
+        prefix, _ = schema.split_name(name)
+        if isinstance(value, TENVFP4Weight):
+            q = value.to_nvfp4(name).to(self.device)
+            report = self._lossless_report(name, value, q) if self.options.report else None
+        elif isinstance(value, NVFP4Tensor):
+            if value.global_scale.dim():
+                raise ValueError(f"{name}: NVFP4 source must have a per-tensor global_scale [], "
+                                 f"got {list(value.global_scale.shape)}")
+            q = value.to(self.device)
+            report = None
+        else:
+            w = value.to(self.device)
+            try:
+                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, backend=self.options.backend)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
+            report = self._quant_report(name, w, q) if self.options.report else None
+        if report is not None:
+            self.summary.reports.append(report)
+        return {f"{prefix}.{schema.WEIGHT}": q.codes, f"{prefix}.{schema.SCALE}": q.block_scales,
+                f"{prefix}.{schema.SCALE_2}": q.global_scale}
+
+    def _quant_report(self, name: str, w: torch.Tensor, q: NVFP4Tensor) -> TensorReport:
+        wf = w.float()
+        err = reference.dequantize(q) - wf
+        norm = wf.norm().item()
+        rel = err.norm().item() / norm if norm else float(err.abs().max().item() > 0)
+        return TensorReport(name, tuple(w.shape), str(w.dtype).removeprefix("torch."), rel, err.abs().max().item())
+
+    def _lossless_report(self, name: str, te: TENVFP4Weight, q: NVFP4Tensor) -> TensorReport:
+        """Compare the written NVFP4 with TE's own storage: codes bitwise, scales bitwise at the
+        valid positions of TE's padded (compact or swizzled) buffer, global scale vs TE's amax."""
+        m, k = te.shape
+        ksf = k // BLOCK
+        scales = q.block_scales.cpu()
+        if te.with_gemm_swizzled_scales:
+            valid = reference.swizzle_scales_128x4(torch.ones(m, ksf).to(torch.float8_e4m3fn)).view(torch.uint8) != 0
+            placed = reference.swizzle_scales_128x4(scales).view(torch.uint8)
+            te_scales, out_scales = te.scale_inv.view(torch.uint8).cpu()[valid], placed[valid]
+        else:
+            te_scales, out_scales = te.scale_inv.view(torch.uint8).cpu()[:m, :ksf], scales.view(torch.uint8)
+        gs = reference.decode_scale_from_amax(te.amax.reshape(()).cpu())
+        bits = (_popcount_xor(q.codes.cpu(), te.data.cpu()) + _popcount_xor(out_scales, te_scales)
+                + _popcount_xor(q.global_scale.cpu(), gs))
+        before = NVFP4Tensor(te.data.cpu(), te_scales.view(torch.float8_e4m3fn).reshape(scales.shape), gs)
+        diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
+        return TensorReport(name, (m, k), "te", conv_max_abs=diff, conv_bits_changed=bits)
+
+    def _track(self, delta: int) -> None:
+        self._live += delta
+        self.summary.peak_tracked_bytes = max(self.summary.peak_tracked_bytes, self._live)
+
+
+def _mapped_shape(shape: tuple[int, ...], m: name_map.Mapped) -> tuple[int, ...]:
+    if m.index is None:
+        return tuple(shape)
+    rows = m.index[1]
+    return (rows.stop - rows.start, *shape[2:])
+
+
+class _Bucket:
+    """Collects groups of tensors up to `limit` bytes; `add` returns the full bucket to flush."""
+
+    def __init__(self, limit: int, track: Callable[[int], None]):
+        self.limit, self.track = limit, track
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.bytes = 0
+
+    def add(self, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        size = _nbytes(group)
+        full = self.take() if self.tensors and self.bytes + size > self.limit else None
+        self.tensors.update(group)
+        self.bytes += size
+        self.track(size)
+        return full
+
+    def take(self) -> dict[str, torch.Tensor] | None:
+        full, self.tensors = self.tensors, {}
+        self.track(-self.bytes)
+        self.bytes = 0
+        return full or None
+
+
+def iter_buckets(source: SafetensorsFolder | StateDictSource, options: ConvertOptions = ConvertOptions(),
+                 *, summary: ConvertSummary | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Checkpoint-named sampler tensors in dicts of at most options.bucket_bytes (a larger group
+    is a bucket of its own), on options.device. For the weight-update server; `options.tp` must be
+    1 (the engine shards on load). If `summary` is given it is filled as the stream advances.
+    """
+    if options.tp != 1:
+        raise ValueError("iter_buckets streams unsharded tensors; the engine shards them (tp must be 1)")
+    conv = _Converter(source, options)
+    if summary is not None:
+        conv.summary = summary
+    bucket = _Bucket(options.bucket_bytes, conv._track)
+    start = time.perf_counter()
+    for group in conv.groups():
+        full = bucket.add(group)
+        if full is not None:
+            conv.summary.bytes_out += _nbytes(full)
+            yield full
+    last = bucket.take()
+    if last is not None:
+        conv.summary.bytes_out += _nbytes(last)
+        yield last
+    conv.summary.seconds = time.perf_counter() - start
+
+
+def _split(group: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
+    """Per-rank pieces of a group: split along schema.tp_dim, replicated otherwise."""
+    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for name, t in group.items():
+        dim = schema.tp_dim(name)
+        pieces = t.chunk(tp, dim) if dim is not None and dim < t.dim() else [t] * tp
+        for r, piece in enumerate(pieces):
+            ranks[r][name] = piece
+    return ranks
+
+
+class _FolderWriter:
+    """Writes buckets as numbered shards into `folder`; `finish` names them and writes the index."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True)
+        self.shards: list[list[str]] = []
+        self.total = 0
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> int:
+        cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        save_file(cpu, self.folder / f"part-{len(self.shards) + 1}", metadata=schema.SHARD_METADATA)
+        self.shards.append(list(cpu))
+        size = _nbytes(cpu)
+        self.total += size
+        return size
+
+    def finish(self, config_json: dict[str, Any], extra_files: list[Path]) -> None:
+        weight_map = {}
+        for i, names in enumerate(self.shards, start=1):
+            file = schema.shard_file(i, len(self.shards))
+            os.rename(self.folder / f"part-{i}", self.folder / file)
+            weight_map.update(dict.fromkeys(names, file))
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / schema.INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (self.folder / schema.CONFIG_FILE).write_text(json.dumps(config_json, indent=2))
+        for f in extra_files:
+            shutil.copy2(f, self.folder / f.name)
+
+
+def convert(src: str | Path | SafetensorsFolder | StateDictSource, dst: str | Path,
+            options: ConvertOptions = ConvertOptions(), *,
+            progress: Callable[[int], None] | None = None) -> ConvertSummary:
+    """Convert `src` (a HF folder path or a source) into a sampler checkpoint folder `dst`.
+
+    With options.tp > 1, dst holds one complete folder per rank (schema.RANK_DIR). Everything is
+    written to a temporary folder next to dst and renamed at the end; on any error dst is left as
+    it was (it must not exist yet). `progress(n)` is called with the number of source bytes done.
+    """
+    dst = Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    source = SafetensorsFolder(src) if isinstance(src, (str, os.PathLike)) else src
+    conv = _Converter(source, options)
+    config_json = schema.sampler_config_json(source.config, conv.config)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        folders = [tmp] if options.tp == 1 else [tmp / schema.RANK_DIR.format(rank=r) for r in range(options.tp)]
+        writers = [_FolderWriter(f) for f in folders]
+        per_rank = max(1, options.bucket_bytes // options.tp)
+        buckets = [_Bucket(per_rank, conv._track) for _ in writers]
+        done = 0
+        for group in conv.groups():
+            for writer, bucket, piece in zip(writers, buckets, _split(group, options.tp)):
+                full = bucket.add(piece)
+                if full is not None:
+                    conv.summary.bytes_out += writer.write(full)
+            if progress is not None and conv.summary.bytes_in != done:
+                progress(conv.summary.bytes_in - done)
+                done = conv.summary.bytes_in
+        for writer, bucket in zip(writers, buckets):
+            last = bucket.take()
+            if last is not None:
+                conv.summary.bytes_out += writer.write(last)
+            writer.finish(config_json, source.extra_files())
+        tmp.rename(dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    conv.summary.seconds = time.perf_counter() - start
+    return conv.summary

@@ -1,0 +1,142 @@
+"""The sampler checkpoint layout (docs/ARCHITECTURE.md, "Sampler checkpoint"): names, dtypes, shapes,
+config.json, file names. The converter writes it and the plugins read it.
+
+A quantized linear `P` (unfused HF module name, e.g. `model.layers.0.self_attn.q_proj` or
+`model.layers.0.mlp.experts.3.gate_proj`) with a weight [N, K] is stored as
+  P.weight          uint8          [N, K/2]   two E2M1 codes per byte, even element in the low nibble
+  P.weight_scale    float8_e4m3fn  [N, K/16]  linear layout (row n, block k)
+  P.weight_scale_2  float32        []         decode direction (amax / 2688), per checkpoint tensor
+Every other tensor keeps its source name, dtype and shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from kernels.format import BLOCK
+from sampler_plugin.config import FORMAT_VERSION, SamplerConfig
+from sampler_plugin.policy import should_quantize
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
+RANK_DIR = "rank-{rank:02d}"                  # DST/rank-00 ... with --tp N (each a complete folder)
+SHARD_METADATA = {"format": "pt", "nvfp4_sampler_format_version": str(FORMAT_VERSION)}
+
+WEIGHT, SCALE, SCALE_2 = "weight", "weight_scale", "weight_scale_2"
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # split N across TP ranks
+ROW_PARALLEL = ("o_proj", "down_proj")                                    # split K across TP ranks
+LINEARS = COLUMN_PARALLEL + ROW_PARALLEL                                  # the linears NVFP4 applies to
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of one checkpoint tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """"a.b.q_proj.weight" -> ("a.b.q_proj", "weight")."""
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf
+
+
+def linear_leaf(name: str) -> str | None:
+    """The linear's leaf ("q_proj", ...) if `name` is the weight or bias of a known linear, else None."""
+    prefix, leaf = split_name(name)
+    if leaf not in (WEIGHT, "bias"):
+        return None
+    module = prefix.rpartition(".")[2]
+    return module if module in LINEARS else None
+
+
+def is_quantized(name: str, config: SamplerConfig) -> bool:
+    """True if source tensor `name` is the weight of a linear that the sampler holds in NVFP4."""
+    prefix, leaf = split_name(name)
+    return leaf == WEIGHT and linear_leaf(name) is not None and should_quantize(prefix, config)
+
+
+def quantized_specs(prefix: str, n: int, k: int) -> dict[str, TensorSpec]:
+    """The three checkpoint tensors of quantized linear `prefix` with a logical weight [n, k]."""
+    if k % BLOCK:
+        raise ValueError(f"{prefix}.{WEIGHT}: K={k} is not a multiple of {BLOCK}; NVFP4 needs 16-element blocks")
+    return {f"{prefix}.{WEIGHT}": TensorSpec(torch.uint8, (n, k // 2)),
+            f"{prefix}.{SCALE}": TensorSpec(torch.float8_e4m3fn, (n, k // BLOCK)),
+            f"{prefix}.{SCALE_2}": TensorSpec(torch.float32, ())}
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim a TP rank splits checkpoint tensor `name` on: 0 (column-parallel weight/scale/bias),
+    1 (row-parallel weight/scale), None (replicated: scale_2, row-parallel bias, norms, embeddings...)."""
+    prefix, leaf = split_name(name)
+    module = prefix.rpartition(".")[2]
+    if module in COLUMN_PARALLEL and leaf in (WEIGHT, SCALE, "bias"):
+        return 0
+    if module in ROW_PARALLEL and leaf in (WEIGHT, SCALE):
+        return 1
+    return None
+
+
+def check_architecture(hf_config: dict[str, Any]) -> str:
+    """The model's architecture name; ValueError if it is not one the sampler layout knows."""
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {archs or hf_config.get('model_type')!r}: the converter knows "
+                         f"{list(ARCHITECTURES)}")
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method")
+        raise ValueError(f"source is already quantized (quant_method {method!r}); convert a BF16/FP32 checkpoint")
+    return archs[0]
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(experts\.(\d+)\.)?(\w+)\.weight$")
+
+
+def expected_shape(name: str, hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """Logical [N, K] of the weight of a known linear per the HF config, None for other tensors.
+
+    Raises ValueError for a linear the architecture does not have (expert index out of range,
+    experts in a dense model).
+    """
+    m = _LAYER.match(name)
+    if m is None or m[5] not in LINEARS:
+        return None
+    c = hf_config
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    kv = c.get("num_key_value_heads") or heads
+    if m[3] is not None:
+        experts = c.get("num_experts") or c.get("num_local_experts")   # transformers 5 writes the latter
+        if not experts or int(m[4]) >= experts:
+            raise ValueError(f"{name}: expert {m[4]} does not exist (num_experts={experts})")
+        inter = c["moe_intermediate_size"]
+    else:
+        inter = c.get("intermediate_size")
+    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
+            "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}[m[5]]
+
+
+def tp_divisors(hf_config: dict[str, Any]) -> dict[str, int]:
+    """Head counts a TP degree must divide (query and key/value heads)."""
+    heads = hf_config["num_attention_heads"]
+    return {"num_attention_heads": heads, "num_key_value_heads": hf_config.get("num_key_value_heads") or heads}
+
+
+def sampler_config_json(hf_config: dict[str, Any], config: SamplerConfig) -> dict[str, Any]:
+    """config.json of a sampler checkpoint: the HF config plus quantization_config (prequantized)."""
+    if not config.prequantized:
+        raise ValueError("a converted checkpoint holds NVFP4 weights: SamplerConfig.prequantized must be True")
+    return {**hf_config, "quantization_config": config.to_dict()}
+
+
+def shard_file(index: int, count: int) -> str:
+    """File name of shard `index` (1-based) of `count`."""
+    return SHARD_FILE.format(index=index, count=count)
