@@ -7,11 +7,14 @@ functions. The float operations and their order follow vLLM's emulation referenc
   S_enc  = 2688 / amax                      (fp32; amax == 0 -> 1; clamped to fp32 max)
   S_dec  = 1 / S_enc                        (fp32, the stored `global_scale`)
   s      = e4m3_rn_satfinite(S_enc * (block_amax * (1/6)))
-  q      = e2m1_rn_satfinite(x * (1 / (float(s) * S_dec)))    (1/0 := 0, so zero blocks give 0)
+  q      = e2m1_rn_satfinite(x * inv),  inv = min(1 / (float(s) * S_dec), fp32 max), 1/0 := 0
   x'     = e2m1(q) * float(s) * S_dec
 
+All fp32, in this order. The fp32-max caps keep every intermediate finite, so no NaN can appear;
+a block whose scale is 0 (all zeros, or underflowed) encodes as signed zeros.
 Non-finite input (NaN, +-Inf) raises ValueError: an amax of Inf or NaN would silently poison every
-scale of the row or tensor.
+scale of the row or tensor. docs/FORMAT.md states the format and where vLLM, compressed-tensors and
+TransformerEngine differ from it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from .format import (BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, GLOBAL_ENCODE_NUMER
                      SWIZZLE_ROWS, NVFP4Tensor)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLT_MAX = torch.finfo(torch.float32).max
+_E2M1_MAX_INV = 1.0 / E2M1_MAX            # multiplied into fp32 tensors, so it acts as fp32(1/6)
 # E2M1 round-to-nearest-even decision points on |x|: code c+1 starts at _THRESH[c];
 # a tie goes to the even code, hence strict '>' above odd codes and '>=' above even ones.
 _THRESH = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -35,16 +40,11 @@ def _check_input(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: contains NaN or Inf; NVFP4 quantization needs finite input")
 
 
-def _reciprocal(x: torch.Tensor) -> torch.Tensor:
-    """1/x with 1/0 := 0 (fp32)."""
-    return torch.where(x == 0, torch.zeros_like(x), 1.0 / x)
-
-
 def encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 2688 / amax in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape."""
     amax = amax.float()
     s_enc = GLOBAL_ENCODE_NUMERATOR / amax
-    s_enc = torch.clamp(s_enc, max=torch.finfo(torch.float32).max)
+    s_enc = torch.clamp(s_enc, max=_FLT_MAX)
     return torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
 
 
@@ -85,14 +85,14 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Tensor) -> NVFP4Tensor:
     """x [..., K]; block_amax [..., K/16] fp32; s_enc fp32 whose shape is a prefix of x.shape[:-1]."""
     s_enc_b = s_enc.reshape(*s_enc.shape, *([1] * (x.dim() - s_enc.dim())))    # [..., 1]
-    scale = s_enc_b * (block_amax * _reciprocal(torch.tensor(E2M1_MAX)))         # [..., K/16]
+    scale = s_enc_b * (block_amax * _E2M1_MAX_INV)                              # [..., K/16]
     scale = torch.clamp(scale, min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    s_dec_b = _reciprocal(s_enc_b)
-    inv = _reciprocal(scale.float() * s_dec_b)                                   # [..., K/16]
+    dec = scale.float() * (1.0 / s_enc_b)                                       # [..., K/16]
+    inv = torch.where(dec == 0, 0.0, torch.clamp(1.0 / dec, max=_FLT_MAX))   # 1/0 := 0
     xb = x.float().unflatten(-1, (-1, BLOCK))                                   # [..., K/16, 16]
     scaled = torch.clamp(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
     codes = pack_nibbles(e2m1_encode(scaled).flatten(-2))
-    return NVFP4Tensor(codes, scale, _reciprocal(s_enc.float()).contiguous())
+    return NVFP4Tensor(codes, scale, (1.0 / s_enc.float()).contiguous())
 
 
 def _block_amax_1d(x: torch.Tensor) -> torch.Tensor:
