@@ -1,0 +1,258 @@
+"""Engine-agnostic operations on NVFP4 layers: create, load, check, apply, reload.
+
+Engine adapters (vLLM, SGLang) own the parameters and the module tree; this module owns what a
+parameter holds and how a checkpoint tensor gets into it. It imports no engine and does no math of
+its own: quantization and GEMMs are `kernels.dispatch` calls.
+
+Storage of one (possibly fused, possibly expert-stacked) weight of logical shape [*E, N, K]:
+  codes         uint8 [*E, N, K/2]          E2M1 pairs, even element in the low nibble
+  block_scales  float8_e4m3fn [*E, N, K/16]  linear layout
+  global_scale  float32 [*E, N] (per row) or [*E] (per expert), decode direction
+A fused layer (qkv, gate_up, w13) holds one `weight_scale_2` per checkpoint tensor, spread over
+that tensor's rows (docs/ARCHITECTURE.md, "Weight second-level scales are per checkpoint tensor").
+
+Checkpoint tensors of a quantized linear `P` (ModelOpt names): `P.weight` uint8 [N, K/2] with
+`P.weight_scale` float8_e4m3fn [N, K/16] and `P.weight_scale_2` float32 []; or `P.weight` in a float
+dtype [N, K], quantized on arrival with the config's recipe. Shapes are the checkpoint's (before
+tensor-parallel slicing); a `Shard` says which part of it this rank holds and where it goes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from kernels import dispatch
+from kernels.format import BLOCK, NVFP4Tensor
+
+from .config import SamplerConfig
+
+KINDS = ("weight", "weight_scale", "weight_scale_2")
+_NVFP4_DTYPES = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """The three storage tensors of one NVFP4 weight (the engine's parameter data, written in place)."""
+
+    codes: torch.Tensor          # uint8 [*E, N, K/2]
+    block_scales: torch.Tensor   # float8_e4m3fn [*E, N, K/16]
+    global_scale: torch.Tensor   # float32 [*E, N] or [*E]
+
+    def nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nvfp4().nbytes
+
+    @property
+    def bf16_nbytes(self) -> int:
+        """Bytes of the same weight in BF16."""
+        return self.codes.numel() * 2 * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Where checkpoint tensor `name` ([N, K] logical) lives in a QuantizedWeight.
+
+    rows: rows of this rank's weight (of expert `expert` when stacked) that it fills;
+    src_rows / src_cols: the rows and the K range of the checkpoint tensor this rank holds
+    (tensor parallelism; the full tensor by default). src_cols must start and end on 16-blocks.
+    """
+
+    name: str
+    shape: tuple[int, int]
+    rows: slice
+    expert: int | None = None
+    src_rows: slice = dataclasses.field(default_factory=lambda: slice(None))
+    src_cols: slice = dataclasses.field(default_factory=lambda: slice(None))
+
+    def tensor_name(self, kind: str) -> str:
+        return f"{self.name}.{kind}"
+
+
+def check_block_aligned(name: str, k: int) -> None:
+    """Raise ValueError unless K (a full or per-rank input size) is a multiple of 16."""
+    if k % BLOCK:
+        raise ValueError(f"nvfp4_sampler: {name}: input size K={k} is not a multiple of {BLOCK} "
+                         f"(an NVFP4 block scale covers {BLOCK} consecutive elements along K); a "
+                         f"tensor-parallel shard must hold whole blocks: keep this module in BF16 "
+                         f"(keep_bf16) or use a tensor-parallel size that divides K/{BLOCK}")
+
+
+def create_weight(rows: int, k: int, *, experts: int | None = None, global_per_row: bool = True,
+                  device: torch.device | str | None = None, name: str = "weight") -> QuantizedWeight:
+    """Empty storage for [*E, rows, K]; scales start as NaN so a tensor never loaded is detectable."""
+    check_block_aligned(name, k)
+    lead = () if experts is None else (experts,)
+    gs_shape = (*lead, rows) if global_per_row else lead
+    return QuantizedWeight(
+        codes=torch.zeros((*lead, rows, k // 2), dtype=torch.uint8, device=device),
+        block_scales=torch.full((*lead, rows, k // BLOCK), float("nan"), device=device).to(torch.float8_e4m3fn),
+        global_scale=torch.full(gs_shape, float("nan"), dtype=torch.float32, device=device),
+    )
+
+
+def _expected_shape(shard: Shard, kind: str) -> tuple[int, ...]:
+    n, k = shard.shape
+    return {"weight": (n, k // 2), "weight_scale": (n, k // BLOCK), "weight_scale_2": ()}[kind]
+
+
+def validate(shard: Shard, kind: str, tensor: torch.Tensor) -> None:
+    """Raise ValueError naming `shard.name.kind` if the checkpoint tensor has a wrong dtype or shape."""
+    name = shard.tensor_name(kind)
+    if kind not in KINDS:
+        raise ValueError(f"nvfp4_sampler: {name}: unknown tensor kind {kind!r}; expected one of {KINDS}")
+    n, k = shard.shape
+    if kind == "weight" and tensor.dtype in _FLOAT_DTYPES:
+        if tuple(tensor.shape) != (n, k):
+            raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} does not match the model's {(n, k)}")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
+        return
+    if tensor.dtype != _NVFP4_DTYPES[kind]:
+        expected = "uint8 (NVFP4 codes) or a float dtype (quantized on load)" if kind == "weight" else _NVFP4_DTYPES[kind]
+        raise ValueError(f"nvfp4_sampler: {name}: dtype {tensor.dtype}, expected {expected}")
+    shape = tuple(tensor.shape)
+    expected = _expected_shape(shard, kind)
+    if kind == "weight_scale_2" and shape in ((), (1,)):
+        return
+    if shape != expected:
+        raise ValueError(f"nvfp4_sampler: {name}: shape {shape} does not match the model's {expected} "
+                         f"(logical weight {(n, k)})")
+
+
+def _cols(src_cols: slice, per: int) -> slice:
+    """A K-element slice as a slice of a packed dim holding `per` elements per entry."""
+    start, stop = src_cols.start, src_cols.stop
+    return slice(None if start is None else start // per, None if stop is None else stop // per)
+
+
+def _dst(dst: QuantizedWeight, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of codes, block_scales, global_scale that shard writes."""
+    lead = () if shard.expert is None else (shard.expert,)
+    per_row = dst.global_scale.dim() == dst.codes.dim() - 1
+    gs = dst.global_scale[(*lead, shard.rows)] if per_row else dst.global_scale[lead]
+    return dst.codes[(*lead, shard.rows)], dst.block_scales[(*lead, shard.rows)], gs
+
+
+def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *, config: SamplerConfig) -> None:
+    """Write checkpoint tensor `shard.name.kind` (validated here) into its rows of dst, in place.
+
+    A float `weight` is quantized with config.weight_recipe using the amax of the whole checkpoint
+    tensor (so tensor-parallel slices agree) and fills all three storage tensors.
+    """
+    validate(shard, kind, tensor)
+    codes, scales, gs = _dst(dst, shard)
+    tensor = tensor.to(codes.device)
+    if kind == "weight" and tensor.dtype in _FLOAT_DTYPES:
+        part = tensor[shard.src_rows, shard.src_cols]
+        q = dispatch.quantize_weight_on(part, recipe=config.weight_recipe, amax=tensor.abs().float().amax(),
+                                        backend=config.backend)
+        codes.copy_(q.codes)
+        scales.copy_(q.block_scales)
+        gs.fill_(q.global_scale.item())
+    elif kind == "weight":
+        codes.copy_(tensor[shard.src_rows, _cols(shard.src_cols, 2)])
+    elif kind == "weight_scale":
+        scales.copy_(tensor[shard.src_rows, _cols(shard.src_cols, BLOCK)])
+    else:
+        gs.fill_(tensor.reshape(()).item())
+
+
+class LoadTracker:
+    """Which checkpoint tensors of a layer were written, to name the missing ones after loading."""
+
+    def __init__(self, shards: Iterable[Shard]):
+        self.shards = list(shards)
+        self.seen: set[tuple[str, str]] = set()
+
+    def record(self, shard: Shard, kind: str, tensor: torch.Tensor) -> None:
+        if kind == "weight" and tensor.dtype in _FLOAT_DTYPES:
+            self.seen.update((shard.name, k) for k in KINDS)
+        else:
+            self.seen.add((shard.name, kind))
+
+    def missing(self) -> list[str]:
+        return [s.tensor_name(k) for s in self.shards for k in KINDS if (s.name, k) not in self.seen]
+
+    def check(self) -> None:
+        """Raise ValueError naming every checkpoint tensor that never arrived."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"nvfp4_sampler: checkpoint tensor(s) missing: {shown} (a pre-quantized layer needs "
+                             f"weight, weight_scale and weight_scale_2; a BF16 one needs weight)")
+
+
+def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None,
+                 config: SamplerConfig) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM."""
+    return dispatch.linear(x, w.nvfp4(), bias=bias, scaling=config.activation_scaling, backend=config.backend)
+
+
+def apply_moe(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, config: SamplerConfig) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] gate rows then up rows; w2 [E, H, I]; routing given -> [T, H]."""
+    if config.activation_scaling != "per_token":
+        raise ValueError("nvfp4_sampler: MoE experts support activation_scaling='per_token' only")
+    return dispatch.moe(x, w13.nvfp4(), w2.nvfp4(), topk_weights, topk_ids, backend=config.backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A reloadable checkpoint tensor group: an NVFP4 shard (weight + shard) or a plain tensor (param)."""
+
+    weight: QuantizedWeight | None = None
+    shard: Shard | None = None
+    param: torch.Tensor | None = None
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """"a.b.q_proj.weight_scale" -> ("a.b.q_proj", "weight_scale")."""
+    prefix, _, kind = name.rpartition(".")
+    return prefix, kind
+
+
+def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
+                 config: SamplerConfig) -> list[str]:
+    """Write checkpoint-named `tensors` into a running model, all-or-nothing.
+
+    targets: checkpoint module prefix (NVFP4 shards) or full tensor name (plain tensors) -> Target.
+    An NVFP4 shard takes a float `P.weight` (quantized here) or the full triplet. Every name, dtype
+    and shape is validated before anything is written; ValueError names the first bad tensor.
+    Returns the names written.
+    """
+    plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        target = targets.get(name)
+        if target is not None and target.param is not None:
+            if tuple(tensor.shape) != tuple(target.param.shape) or not tensor.dtype.is_floating_point:
+                raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} dtype {tensor.dtype} does not "
+                                 f"match the model's {tuple(target.param.shape)} {target.param.dtype}")
+            plain.append((target.param, tensor))
+            continue
+        prefix, kind = split_name(name)
+        target = targets.get(prefix)
+        if target is None or target.shard is None:
+            raise ValueError(f"nvfp4_sampler: {name}: no such tensor in the model")
+        validate(target.shard, kind, tensor)
+        groups.setdefault(prefix, {})[kind] = tensor
+    for prefix, group in groups.items():
+        online = "weight" in group and group["weight"].dtype in _FLOAT_DTYPES
+        expected = {"weight"} if online else set(KINDS)
+        if set(group) != expected:
+            wrong = sorted(expected - set(group)) or sorted(set(group) - expected)
+            raise ValueError(f"nvfp4_sampler: {prefix}.{wrong[0]}: an update of {prefix} holds either a float "
+                             f"weight (quantized on arrival) or all of {list(KINDS)}; got {sorted(group)}")
+    for param, tensor in plain:
+        param.copy_(tensor)
+    for prefix, group in groups.items():
+        for kind, tensor in group.items():
+            write(targets[prefix].weight, targets[prefix].shard, kind, tensor, config=config)
+    return sorted(tensors)

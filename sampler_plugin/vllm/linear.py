@@ -1,0 +1,94 @@
+"""vLLM linear method of nvfp4_sampler: NVFP4 weights, per-token NVFP4 activations.
+
+Parameters of a quantized linear (checkpoint layout, kept as they are; no derived tensors):
+  weight          uint8 [N, K/2]           (N = sum of this rank's output shards)
+  weight_scale    float8_e4m3fn [N, K/16]
+  weight_scale_2  float32 [N]              one decode scale per checkpoint tensor, spread over its rows
+Every parameter's `weight_loader` takes one checkpoint tensor (BF16 `P.weight`, or one of the NVFP4
+triplet) and writes it through `sampler_plugin.layers`.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMethodBase, QKVParallelLinear,
+                                               RowParallelLinear)
+
+from .. import layers
+from ..config import SamplerConfig
+
+_QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def _parameter(data: torch.Tensor, kind: str, loader) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(data, requires_grad=False)
+    p.nvfp4_kind = kind
+    p.weight_loader = loader
+    return p
+
+
+def linear_shards(layer: torch.nn.Module, shard_names: list[str]) -> list[layers.Shard]:
+    """The checkpoint tensors of a (possibly fused, possibly tensor-parallel) vLLM linear layer."""
+    sizes, input_size, k_part = layer.nvfp4_geometry
+    tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+    column = isinstance(layer, ColumnParallelLinear)
+    row = isinstance(layer, RowParallelLinear)
+    src_cols = slice(tp_rank * k_part, (tp_rank + 1) * k_part) if row else slice(None)
+    shards, offset = [], 0
+    for i, (name, size) in enumerate(zip(shard_names, sizes)):
+        replicas = getattr(layer, "num_kv_head_replicas", 1) if isinstance(layer, QKVParallelLinear) and i > 0 else 1
+        rank = tp_rank // replicas
+        full_n = size * tp_size // replicas if column else size
+        src_rows = slice(rank * size, (rank + 1) * size) if column else slice(None)
+        shards.append(layers.Shard(name=name, shape=(full_n, input_size), rows=slice(offset, offset + size),
+                                   src_rows=src_rows, src_cols=src_cols))
+        offset += size
+    return shards
+
+
+class NVFP4LinearMethod(LinearMethodBase):
+    """W4A4 linear for one module `prefix`; `shard_names` are its checkpoint tensors' prefixes."""
+
+    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str], on_processed):
+        self.config = config
+        self.prefix = prefix
+        self.shard_names = shard_names
+        self.on_processed = on_processed
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if len(output_partition_sizes) != len(self.shard_names):
+            raise ValueError(f"nvfp4_sampler: {self.prefix}: {len(output_partition_sizes)} output shards but "
+                             f"checkpoint names {self.shard_names}")
+        w = layers.create_weight(sum(output_partition_sizes), input_size_per_partition, name=self.prefix)
+        layer.nvfp4_geometry = (list(output_partition_sizes), input_size, input_size_per_partition)
+        for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
+            layer.register_parameter(kind, _parameter(data, kind, self._loader(layer)))
+
+    def _loader(self, layer: torch.nn.Module):
+        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+            index = _QKV_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
+            shard = self.shards(layer)[index]
+            layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
+            self.tracker(layer).record(shard, param.nvfp4_kind, loaded_weight)
+        return load
+
+    def shards(self, layer: torch.nn.Module) -> list[layers.Shard]:
+        if not hasattr(layer, "nvfp4_shards"):
+            layer.nvfp4_shards = linear_shards(layer, self.shard_names)
+        return layer.nvfp4_shards
+
+    def tracker(self, layer: torch.nn.Module) -> layers.LoadTracker:
+        if not hasattr(layer, "nvfp4_tracker"):
+            layer.nvfp4_tracker = layers.LoadTracker(self.shards(layer))
+        return layer.nvfp4_tracker
+
+    @staticmethod
+    def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
+        return layers.QuantizedWeight(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.tracker(layer).check()
+        self.on_processed(self.storage(layer))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)

@@ -1,0 +1,91 @@
+"""vLLM fused-MoE method of nvfp4_sampler: NVFP4 experts, routing left to the model.
+
+vLLM's router computes topk_weights / topk_ids exactly as the model defines them (softmax, top-k,
+renormalisation); `apply` runs the experts through `kernels.dispatch.moe`. Parameters:
+  w13_weight [E, 2I, H/2] uint8, w13_weight_scale [E, 2I, H/16] e4m3, w13_weight_scale_2 [E, 2I] fp32
+     (gate rows then up rows; each expert's gate_proj and up_proj keep their own decode scale)
+  w2_weight  [E, H, I/2] uint8,  w2_weight_scale  [E, H, I/16] e4m3,  w2_weight_scale_2  [E] fp32
+"""
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+from .. import layers
+from ..config import SamplerConfig
+
+# vLLM's shard ids -> checkpoint projection names (HF Qwen / Llama / DeepSeek naming).
+PROJ_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class NVFP4MoEMethod(FusedMoEMethodBase):
+    """W4A4 SwiGLU experts of the MoE layer whose checkpoint prefix is `ckpt_prefix` ("...mlp.experts")."""
+
+    def __init__(self, config: SamplerConfig, moe_config, ckpt_prefix: str, on_processed):
+        super().__init__(moe_config)
+        self.config = config
+        self.ckpt_prefix = ckpt_prefix
+        self.on_processed = on_processed
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        parallel = self.moe.moe_parallel_config
+        if parallel.use_ep:
+            raise NotImplementedError(f"nvfp4_sampler: {self.ckpt_prefix}: expert parallelism is not supported yet")
+        inter = intermediate_size_per_partition
+        w13 = layers.create_weight(2 * inter, hidden_size, experts=num_experts,
+                                   name=f"{self.ckpt_prefix}.*.gate_proj/up_proj")
+        w2 = layers.create_weight(hidden_size, inter, experts=num_experts, global_per_row=False,
+                                  name=f"{self.ckpt_prefix}.*.down_proj (intermediate size per tensor-parallel rank)")
+        for stem, w in (("w13", w13), ("w2", w2)):
+            for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
+                p = torch.nn.Parameter(data, requires_grad=False)
+                p.nvfp4_kind = kind
+                p.weight_loader = self._loader(layer)
+                layer.register_parameter(f"{stem}_{kind}", p)
+        layer.nvfp4_geometry = (hidden_size, inter, parallel.tp_rank, parallel.tp_size)
+        layer.nvfp4_tracker = layers.LoadTracker(
+            s for e in range(num_experts) for s in self.expert_shards(layer, e).values())
+
+    def expert_shards(self, layer: torch.nn.Module, expert: int) -> dict[str, layers.Shard]:
+        """Shards of expert `expert` on this rank, keyed by vLLM shard id (w1, w3, w2)."""
+        hidden, inter, tp_rank, tp_size = layer.nvfp4_geometry
+        name = f"{self.ckpt_prefix}.{expert}"
+        part = slice(tp_rank * inter, (tp_rank + 1) * inter)
+        return {
+            "w1": layers.Shard(f"{name}.{PROJ_NAMES['w1']}", (inter * tp_size, hidden), slice(0, inter), expert, src_rows=part),
+            "w3": layers.Shard(f"{name}.{PROJ_NAMES['w3']}", (inter * tp_size, hidden), slice(inter, 2 * inter), expert,
+                               src_rows=part),
+            "w2": layers.Shard(f"{name}.{PROJ_NAMES['w2']}", (hidden, inter * tp_size), slice(0, hidden), expert,
+                               src_cols=part),
+        }
+
+    def _loader(self, layer: torch.nn.Module):
+        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                 expert_id: int, return_success: bool = False):
+            shard = self.expert_shards(layer, expert_id)[shard_id]
+            storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
+            layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=self.config)
+            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
+            return True if return_success else None
+        return load
+
+    @staticmethod
+    def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
+        return {stem: layers.QuantizedWeight(getattr(layer, f"{stem}_weight").data,
+                                             getattr(layer, f"{stem}_weight_scale").data,
+                                             getattr(layer, f"{stem}_weight_scale_2").data) for stem in ("w13", "w2")}
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.nvfp4_tracker.check()
+        self.on_processed(*self.storage(layer).values())
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts, shared_experts_input) -> torch.Tensor:
+        if shared_experts is not None:
+            raise NotImplementedError("nvfp4_sampler: MoE layers with shared experts are not supported yet")
+        w = self.storage(layer)
+        return layers.apply_moe(x, w["w13"], w["w2"], topk_weights, topk_ids, config=self.config)
