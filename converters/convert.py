@@ -126,7 +126,7 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def _popcount_xor(a: torch.Tensor, b: torch.Tensor) -> int:
     """Number of differing bits between two tensors of equal shape and byte size."""
-    x = a.contiguous().view(torch.uint8) ^ b.contiguous().view(torch.uint8)
+    x = a.reshape(-1).contiguous().view(torch.uint8) ^ b.reshape(-1).contiguous().view(torch.uint8)
     return int(sum(((x >> i) & 1).sum().item() for i in range(8)))
 
 
@@ -138,6 +138,7 @@ class _Converter:
         self.hf_config = source.config
         schema.check_architecture(self.hf_config)
         self.config = options.sampler_config()
+        self.tied = bool(self.hf_config.get("tie_word_embeddings"))
         if options.tp > 1:
             for key, count in schema.tp_divisors(self.hf_config).items():
                 if count % options.tp:
@@ -148,7 +149,7 @@ class _Converter:
         specs = source.specs()
         if specs is not None:
             for name, shape, dtype in specs:
-                for m in name_map.expand(name, shape):
+                for m in name_map.expand(name, shape, tied_embeddings=self.tied):
                     self._check(m.name, _mapped_shape(shape, m), dtype)
 
     # ---- checks (no data) ----
@@ -184,7 +185,7 @@ class _Converter:
             self.summary.tensors_in += 1
             self.summary.bytes_in += value_nbytes(value)
             self._track(value_nbytes(value))
-            for m in name_map.expand(src_name, shape):
+            for m in name_map.expand(src_name, shape, tied_embeddings=self.tied):
                 part = value if m.index is None else value[m.index]
                 self._check(m.name, _mapped_shape(shape, m), dtype)
                 group = self._convert(m.name, part)
@@ -194,9 +195,9 @@ class _Converter:
             del value
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f"{name}: contains NaN or Inf")
         if not schema.is_quantized(name, self.config):
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise ValueError(f"{name}: contains NaN or Inf")
             t = value.to(self.device)
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()            # a slice of a fused tensor: do not keep the whole tensor alive
@@ -204,7 +205,7 @@ class _Converter:
         prefix, _ = schema.split_name(name)
         if isinstance(value, TENVFP4Weight):
             q = value.to_nvfp4(name).to(self.device)
-            report = self._lossless_report(name, value, q) if self.options.report else None
+            report = te_conversion_report(name, value, q) if self.options.report else None
         elif isinstance(value, NVFP4Tensor):
             if value.global_scale.dim():
                 raise ValueError(f"{name}: NVFP4 source must have a per-tensor global_scale [], "
@@ -230,28 +231,31 @@ class _Converter:
         rel = err.norm().item() / norm if norm else float(err.abs().max().item() > 0)
         return TensorReport(name, tuple(w.shape), str(w.dtype).removeprefix("torch."), rel, err.abs().max().item())
 
-    def _lossless_report(self, name: str, te: TENVFP4Weight, q: NVFP4Tensor) -> TensorReport:
-        """Compare the written NVFP4 with TE's own storage: codes bitwise, scales bitwise at the
-        valid positions of TE's padded (compact or swizzled) buffer, global scale vs TE's amax."""
-        m, k = te.shape
-        ksf = k // BLOCK
-        scales = q.block_scales.cpu()
-        if te.with_gemm_swizzled_scales:
-            valid = reference.swizzle_scales_128x4(torch.ones(m, ksf).to(torch.float8_e4m3fn)).view(torch.uint8) != 0
-            placed = reference.swizzle_scales_128x4(scales).view(torch.uint8)
-            te_scales, out_scales = te.scale_inv.view(torch.uint8).cpu()[valid], placed[valid]
-        else:
-            te_scales, out_scales = te.scale_inv.view(torch.uint8).cpu()[:m, :ksf], scales.view(torch.uint8)
-        gs = reference.decode_scale_from_amax(te.amax.reshape(()).cpu())
-        bits = (_popcount_xor(q.codes.cpu(), te.data.cpu()) + _popcount_xor(out_scales, te_scales)
-                + _popcount_xor(q.global_scale.cpu(), gs))
-        before = NVFP4Tensor(te.data.cpu(), te_scales.view(torch.float8_e4m3fn).reshape(scales.shape), gs)
-        diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
-        return TensorReport(name, (m, k), "te", conv_max_abs=diff, conv_bits_changed=bits)
-
     def _track(self, delta: int) -> None:
         self._live += delta
         self.summary.peak_tracked_bytes = max(self.summary.peak_tracked_bytes, self._live)
+
+
+def te_conversion_report(name: str, te: TENVFP4Weight, q: NVFP4Tensor) -> TensorReport:
+    """Compare the written NVFP4 with TE's own storage: codes bitwise, scales bitwise at the
+    valid positions of TE's padded (compact or swizzled) buffer, global scale vs TE's amax."""
+    m, k = te.shape
+    ksf = k // BLOCK
+    scales = q.block_scales.cpu()
+    stored = te.scale_inv.cpu().view(torch.float8_e4m3fn)
+    if te.with_gemm_swizzled_scales:
+        valid = reference.swizzle_scales_128x4(torch.ones(m, ksf).to(torch.float8_e4m3fn)).view(torch.uint8) != 0
+        scale_bits = _popcount_xor(reference.swizzle_scales_128x4(scales).view(torch.uint8)[valid],
+                                   stored.view(torch.uint8)[valid])
+        te_scales = reference.unswizzle_scales_128x4(stored, m, ksf)
+    else:
+        te_scales = stored[:m, :ksf]
+        scale_bits = _popcount_xor(scales, te_scales)
+    gs = reference.decode_scale_from_amax(te.amax.reshape(()).cpu())
+    bits = _popcount_xor(q.codes.cpu(), te.data.cpu()) + scale_bits + _popcount_xor(q.global_scale.cpu(), gs)
+    before = NVFP4Tensor(te.data.cpu(), te_scales.contiguous(), gs)
+    diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
+    return TensorReport(name, (m, k), "te", conv_max_abs=diff, conv_bits_changed=bits)
 
 
 def _mapped_shape(shape: tuple[int, ...], m: name_map.Mapped) -> tuple[int, ...]:

@@ -3,7 +3,8 @@
 Sampler names are the unfused Hugging Face module names (docs/ARCHITECTURE.md), so most names map
 to themselves. What changes:
   * wrapper prefixes added by DDP (`module.`) and torch.compile (`_orig_mod.`) are stripped;
-  * buffers that are not weights are dropped (`None` in NAME_MAP);
+  * buffers that are not weights are dropped (`None` in NAME_MAP), and so is the output head of a
+    model with tied embeddings (`lm_head.weight` is `embed_tokens.weight`; HF does not save it either);
   * transformers 5 keeps MoE experts fused in memory (and in `save_pretrained(save_original_format=False)`):
     `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows then up rows, see `Qwen3MoeExperts.forward`)
     and `...mlp.experts.down_proj` [E, H, I]. They are split into the per-expert names vLLM and
@@ -21,6 +22,8 @@ NAME_MAP: tuple[tuple[str, str | None], ...] = (
     (r"\.rotary_emb\.inv_freq$", None),               # recomputed by every engine
 )
 
+TIED_HEAD = "lm_head.weight"              # dropped when the config has tie_word_embeddings
+
 # Fused expert tensor leaf -> per-expert module leaves, in the row order of dim 1.
 FUSED_EXPERTS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -37,22 +40,22 @@ class Mapped:
     index: tuple[int, slice] | None = None
 
 
-def rename(name: str) -> str | None:
+def rename(name: str, *, tied_embeddings: bool = False) -> str | None:
     """Apply NAME_MAP to a source name; None if the tensor is dropped."""
     for pattern, replacement in NAME_MAP:
         if re.search(pattern, name):
             if replacement is None:
                 return None
             name = re.sub(pattern, replacement, name)
-    return name
+    return None if tied_embeddings and name == TIED_HEAD else name
 
 
-def expand(name: str, shape: tuple[int, ...]) -> list[Mapped]:
+def expand(name: str, shape: tuple[int, ...], *, tied_embeddings: bool = False) -> list[Mapped]:
     """The sampler tensors a source tensor `name` of logical `shape` becomes (empty if dropped).
 
     Raises ValueError for a fused expert tensor that is not [E, parts * R, C].
     """
-    name = rename(name)
+    name = rename(name, tied_embeddings=tied_embeddings)
     if name is None:
         return []
     m = _FUSED.match(name)
