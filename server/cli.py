@@ -1,8 +1,127 @@
-"""`nvfp4-sampler` console script: one argparse parser, one subcommand per tool."""
+"""`nvfp4-sampler` console script: one argparse parser, one subcommand per tool.
+
+    serve MODEL [--engine vllm|embedded]   the sidecar + OpenAI routes in front of an engine it starts
+    sidecar --engine-url URL               the sidecar in front of an already running vLLM server
+    push SOURCE [--layout nvfp4|bf16]      stream a checkpoint folder to a sidecar and commit it
+    logprobs --tokens 1,2,3 --prompt-len 2 recompute response-token log-probs
+    version                                the serving weight version
+    demo                                   the whole loop on SmolLM2-135M (`make demo`)
+    convert SRC DST                        learner checkpoint -> sampler checkpoint (converters)
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; non-loopback needs --token)")
+    p.add_argument("--port", type=int, default=None, help="sidecar port (default 8000)")
+    p.add_argument("--token", default=None, help="bearer token for mutating routes (or NVFP4_SAMPLER_TOKEN)")
+    p.add_argument("--staging-dir", default=None, help="where commits stage the update file")
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=DEFAULT_URL, help=f"sidecar URL (default {DEFAULT_URL})")
+    p.add_argument("--token", default=None, help="bearer token (or NVFP4_SAMPLER_TOKEN)")
+
+
+def _run_server(args: argparse.Namespace, **flags) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .settings import Settings
+
+    settings = Settings.from_env(host=args.host, port=args.port, token=args.token, staging_dir=args.staging_dir,
+                                 **flags)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    return _run_server(args, model=args.model, engine=args.engine, vllm_args=tuple(args.vllm_arg) or None)
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    return _run_server(args, model=args.model, engine="remote", engine_url=args.engine_url)
+
+
+def _push(args: argparse.Namespace) -> int:
+    from .client import SamplerClient
+
+    with SamplerClient(args.url, token=args.token, retries=args.retries) as c:
+        res = c.push(args.source, layout=args.layout, version=args.version, recipe=args.recipe)
+    print(res.model_dump_json(indent=2))
+    return 0
+
+
+def _logprobs(args: argparse.Namespace) -> int:
+    from .client import SamplerClient
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with SamplerClient(args.url, token=args.token) as c:
+        res = c.logprobs([tokens], [args.prompt_len], top_k=args.top_k)
+    print(res.model_dump_json(indent=2, exclude_none=True))
+    return 0
+
+
+def _version(args: argparse.Namespace) -> int:
+    from .client import SamplerClient
+
+    with SamplerClient(args.url, token=args.token) as c:
+        print(json.dumps(c.version().model_dump(), indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(engine=args.engine, port=args.port)
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("serve", help="serve MODEL with the sidecar routes and OpenAI-compatible routes")
+    p.add_argument("model", help="HF folder (BF16, or a sampler checkpoint from `convert`)")
+    p.add_argument("--engine", choices=("vllm", "embedded"), default=None,
+                   help="vllm (the vLLM OpenAI server with the nvfp4_sampler method) or embedded (transformers)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for the vLLM server (repeat)")
+    _server_flags(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("sidecar", help="run the sidecar in front of an already running vLLM server")
+    p.add_argument("--engine-url", required=True, help="the vLLM server (started with VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--model", default=None, help="the served folder (default: the server's /v1/models root)")
+    _server_flags(p)
+    p.set_defaults(func=_sidecar)
+
+    p = sub.add_parser("push", help="push a checkpoint folder to a sidecar as one committed update")
+    p.add_argument("source", help="HF folder with safetensors")
+    p.add_argument("--layout", choices=("nvfp4", "bf16"), default="nvfp4",
+                   help="nvfp4: convert here and send NVFP4 (default); bf16: send BF16, the sampler quantizes")
+    p.add_argument("--version", type=int, default=None, help="target weight version (default: current + 1)")
+    p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="weight recipe of the conversion")
+    p.add_argument("--retries", type=int, default=3)
+    _client_flags(p)
+    p.set_defaults(func=_push)
+
+    p = sub.add_parser("logprobs", help="recompute the log-probs of one token sequence")
+    p.add_argument("--tokens", required=True, help="comma-separated token ids")
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--top-k", type=int, default=0)
+    _client_flags(p)
+    p.set_defaults(func=_logprobs)
+
+    p = sub.add_parser("version", help="print the serving weight version")
+    _client_flags(p)
+    p.set_defaults(func=_version)
+
+    p = sub.add_parser("demo", help="the whole loop on SmolLM2-135M: convert, serve, chat, push, log-probs")
+    p.add_argument("--engine", choices=("auto", "vllm", "embedded"), default="auto")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_demo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nvfp4-sampler", description="NVFP4 sampler tools")
     sub = parser.add_subparsers(dest="command", required=True)
     convert_cli.add_parser(sub)
+    add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,175 @@
+"""The sidecar FastAPI app: weight-update transactions, log-prob recomputation, OpenAI routes, metrics.
+
+Every serving request holds the read lock for its whole duration and answers with the weight
+version it ran on (`X-Weight-Version` header, and `weight_version` in log-prob bodies); a commit
+holds the write lock while the engine applies the update. Routes: docs/PROTOCOL.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .engines import make_engine
+from .engines.base import Engine, EngineError
+from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, WEIGHT_VERSION_HEADER, BeginRequest, CommitResult,
+                       LogprobsRequest, LogprobsResponse, UpdateStatus, VersionInfo, encode_logprobs_binary)
+from .settings import Settings
+from .transactions import RWLock, UpdateError, UpdateManager
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.version = Gauge("nvfp4_sampler_weight_version", "weight version now serving", registry=r)
+        self.update_bytes = Gauge("nvfp4_sampler_last_update_bytes", "payload bytes of the last update", registry=r)
+        self.update_seconds = Histogram("nvfp4_sampler_update_apply_seconds", "stage + apply seconds per commit",
+                                        registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.bytes_total = Counter("nvfp4_sampler_update_bytes", "payload bytes received in committed updates",
+                                   registry=r)
+        self.commits = Counter("nvfp4_sampler_commits", "committed updates", registry=r)
+        self.logprob_seconds = Histogram("nvfp4_sampler_logprob_seconds", "log-prob recompute latency", registry=r)
+        self.queue_depth = Gauge("nvfp4_sampler_queue_depth", "requests waiting for the engine", registry=r)
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
+    """The sidecar app; the engine (built from `settings` unless given) starts in the lifespan."""
+    engine = engine if engine is not None else make_engine(settings)
+    lock = RWLock()
+    metrics = Metrics()
+    state = {"version": 0, "waiting": 0}
+
+    def on_commit(result: CommitResult) -> None:
+        state["version"] = result.weight_version
+        metrics.version.set(result.weight_version)
+        metrics.update_bytes.set(result.bytes)
+        metrics.bytes_total.inc(result.bytes)
+        metrics.commits.inc()
+        metrics.update_seconds.observe(result.stage_seconds + result.apply_seconds)
+
+    updates = UpdateManager(engine, staging_dir=settings.staging_dir, max_frame_bytes=settings.max_frame_bytes,
+                            idle_timeout_s=settings.update_idle_timeout_s, lock=lock, on_commit=on_commit)
+    metrics.queue_depth.set_function(lambda: state["waiting"] + engine.queue_depth())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        state["version"] = await engine.weight_version()
+        metrics.version.set(state["version"])
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="nvfp4-sampler sidecar", lifespan=lifespan)
+    app.state.engine, app.state.updates, app.state.settings = engine, updates, settings
+
+    @app.exception_handler(UpdateError)
+    @app.exception_handler(EngineError)
+    async def _refused(request: Request, exc: UpdateError | EngineError):
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status,
+                            headers={WEIGHT_VERSION_HEADER: str(state["version"])})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return JSONResponse({"detail": f"{where}: {first.get('msg')}"}, status_code=422)
+
+    def authorized(request: Request) -> None:
+        if settings.token is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {settings.token}".encode()):
+            raise UpdateError("missing or wrong bearer token", status=401)
+
+    @contextlib.asynccontextmanager
+    async def serving():
+        """Hold the read lock; yields the version the request runs on."""
+        state["waiting"] += 1
+        acquired = False
+        try:
+            async with lock.read():
+                state["waiting"] -= 1
+                acquired = True
+                yield state["version"]
+        finally:
+            if not acquired:
+                state["waiting"] -= 1
+
+    # ------------------------------------------------------------------ health, metrics, version
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": state["version"]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/weights/version", response_model=VersionInfo)
+    async def version():
+        cur = updates.current
+        return VersionInfo(weight_version=state["version"], model=engine.model_id, engine=engine.kind,
+                           update=cur.status() if cur is not None and cur.state == "open" else None)
+
+    # ------------------------------------------------------------------ update transactions
+    @app.post("/v1/weights/updates", response_model=UpdateStatus, status_code=201, dependencies=[Depends(authorized)])
+    async def begin(req: BeginRequest):
+        return updates.begin(req, state["version"])
+
+    @app.get("/v1/weights/updates/{update_id}", response_model=UpdateStatus)
+    async def update_status(update_id: str):
+        return updates.get(update_id).status()
+
+    @app.put("/v1/weights/updates/{update_id}/body", response_model=UpdateStatus, dependencies=[Depends(authorized)])
+    async def body(update_id: str, request: Request):
+        return await updates.ingest(update_id, request.stream())
+
+    @app.post("/v1/weights/updates/{update_id}/commit", response_model=CommitResult,
+              dependencies=[Depends(authorized)])
+    async def commit(update_id: str):
+        return await updates.commit(update_id)
+
+    @app.delete("/v1/weights/updates/{update_id}", response_model=UpdateStatus, dependencies=[Depends(authorized)])
+    async def abort(update_id: str):
+        return updates.abort(update_id)
+
+    # ------------------------------------------------------------------ log-prob recomputation
+    @app.post("/v1/logprobs")
+    async def logprobs(req: LogprobsRequest):
+        t0 = time.perf_counter()
+        async with serving() as v:
+            results = await engine.logprobs(req)
+        metrics.logprob_seconds.observe(time.perf_counter() - t0)
+        resp = LogprobsResponse(model=engine.model_id, weight_version=v, results=results)
+        headers = {WEIGHT_VERSION_HEADER: str(v)}
+        if req.format == "binary":
+            return Response(encode_logprobs_binary(resp, top_k=req.top_k), media_type=BINARY_LOGPROBS_CONTENT_TYPE,
+                            headers=headers)
+        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+    # ------------------------------------------------------------------ OpenAI-compatible
+    async def openai(route: str, body: dict) -> JSONResponse:
+        async with serving() as v:
+            status, out = await engine.openai(route, body)
+        return JSONResponse(out, status_code=status, headers={WEIGHT_VERSION_HEADER: str(v)})
+
+    @app.get("/v1/models")
+    async def models():
+        return await openai("models", {})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai("completions", await request.json())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await openai("chat/completions", await request.json())
+
+    return app

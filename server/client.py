@@ -1,0 +1,184 @@
+"""Client of the sidecar: weight pushes (resumable), log-probs, version. httpx + server.protocol/wire.
+
+    c = SamplerClient("http://127.0.0.1:8000", token=...)
+    c.push("ckpt/", layout="nvfp4")                 # a HF folder, converted on this side
+    c.push(model.state_dict(), layout="bf16", config=hf_config_dict)
+    c.logprobs([[1, 2, 3, 4]], [2]).results[0].logprobs
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import httpx
+import torch
+
+from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, FRAMES_CONTENT_TYPE, BeginRequest, CommitResult,
+                       LogprobsRequest, LogprobsResponse, TensorEntry, UpdateStatus, VersionInfo,
+                       decode_logprobs_binary)
+from .settings import client_token
+from .wire import encode_frame, iter_entries, payload_nbytes
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class SidecarError(RuntimeError):
+    """A 4xx/5xx answer of the sidecar; `status` and the server's `detail` message."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+class SamplerClient:
+    def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 600.0, retries: int = 3):
+        token = client_token(token)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries = retries
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        r = self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except json.JSONDecodeError:
+                detail = r.text
+            raise SidecarError(r.status_code, str(detail))
+        return r
+
+    # ------------------------------------------------------------------ read-only routes
+    def health(self) -> dict:
+        return self._call("GET", "/health").json()
+
+    def version(self) -> VersionInfo:
+        return VersionInfo.model_validate(self._call("GET", "/v1/weights/version").json())
+
+    def logprobs(self, sequences: list[list[int]], prompt_lens: list[int], *, top_k: int = 0,
+                 format: str = "json") -> LogprobsResponse:
+        """Per-token log-probs of sequences[i][prompt_lens[i]:] under the serving weights."""
+        req = LogprobsRequest(sequences=sequences, prompt_lens=prompt_lens, top_k=top_k, format=format)
+        r = self._call("POST", "/v1/logprobs", json=req.model_dump())
+        if r.headers.get("content-type", "").startswith(BINARY_LOGPROBS_CONTENT_TYPE):
+            return decode_logprobs_binary(r.content, model="")
+        return LogprobsResponse.model_validate(r.json())
+
+    # ------------------------------------------------------------------ update transaction, step by step
+    def begin(self, target_version: int, manifest: list[TensorEntry]) -> UpdateStatus:
+        req = BeginRequest(target_version=target_version, manifest=manifest)
+        return UpdateStatus.model_validate(self._call("POST", "/v1/weights/updates", json=req.model_dump()).json())
+
+    def status(self, update_id: str) -> UpdateStatus:
+        return UpdateStatus.model_validate(self._call("GET", f"/v1/weights/updates/{update_id}").json())
+
+    def send(self, update_id: str, body: Iterable[bytes | memoryview]) -> UpdateStatus:
+        """Stream one body of frames (chunked transfer)."""
+        r = self._call("PUT", f"/v1/weights/updates/{update_id}/body", content=_bytes(body),
+                       headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        return UpdateStatus.model_validate(r.json())
+
+    def commit(self, update_id: str) -> CommitResult:
+        return CommitResult.model_validate(self._call("POST", f"/v1/weights/updates/{update_id}/commit").json())
+
+    def abort(self, update_id: str) -> UpdateStatus:
+        return UpdateStatus.model_validate(self._call("DELETE", f"/v1/weights/updates/{update_id}").json())
+
+    # ------------------------------------------------------------------ push
+    def push(self, source: str | Path | Tensors | Iterable[tuple[str, torch.Tensor]], *, layout: str = "nvfp4",
+             version: int | None = None, config: dict | None = None, recipe: str = "1d",
+             progress: bool = True) -> CommitResult:
+        """Push weights as one transaction and commit it; returns the commit result.
+
+        source: a HF folder (safetensors), a checkpoint-named state dict, or (name, tensor) pairs.
+        layout "nvfp4": quantized linears are converted here with `converters.iter_buckets` (needs the
+          HF `config` dict for in-memory sources; a folder has its config.json) and sent as NVFP4 triplets.
+        layout "bf16": float tensors are sent as BF16 and the sampler quantizes them on arrival.
+        version: the target version (default: current + 1). Dropped bodies are resumed: after an
+        error the client asks for the missing tensors and re-sends only those (`retries` times).
+        """
+        tensors = _collect(source, layout=layout, config=config, recipe=recipe)
+        entries = {e.name: e for e in iter_entries(tensors)}
+        target = version if version is not None else self.version().weight_version + 1
+        st = self.begin(target, list(entries.values()))
+        total = sum(payload_nbytes(e) for e in entries.values())
+        bar = _progress(total, progress)
+        try:
+            for attempt in range(self.retries + 1):
+                todo = [entries[n] for n in st.missing]
+                if not todo:
+                    break
+                try:
+                    st = self.send(st.update_id, _frames(todo, tensors, bar))
+                except (httpx.TransportError, SidecarError) as e:
+                    if isinstance(e, SidecarError) and e.status < 500 and e.status not in (408, 409):
+                        raise
+                    if attempt == self.retries:
+                        raise
+                    time.sleep(min(2 ** attempt * 0.2, 5))
+                    st = self.status(st.update_id)
+                    bar.n = st.bytes_received
+            if st.missing:
+                raise SidecarError(409, f"{len(st.missing)} tensor(s) still missing after {self.retries} retries")
+            return self.commit(st.update_id)
+        except BaseException:
+            if self.status(st.update_id).state == "open":
+                self.abort(st.update_id)
+            raise
+        finally:
+            bar.close()
+
+
+def _bytes(body: Iterable[bytes | memoryview]) -> Iterator[bytes]:
+    for b in body:
+        yield b if isinstance(b, bytes) else b.cast("B")
+
+
+def _frames(entries: list[TensorEntry], tensors: Tensors, bar) -> Iterator[bytes | memoryview]:
+    for e in entries:
+        for buf in encode_frame(e, tensors):
+            yield buf
+            if isinstance(buf, memoryview):          # payload (the bar counts payload bytes)
+                bar.update(buf.nbytes)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, desc="push", disable=not enabled)
+
+
+def _collect(source, *, layout: str, config: dict | None, recipe: str) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors to send under `layout` (NVFP4 conversion via the converter)."""
+    if layout not in ("nvfp4", "bf16"):
+        raise ValueError(f"layout must be 'nvfp4' or 'bf16', got {layout!r}")
+    from converters.convert import ConvertOptions, iter_buckets
+    from converters.sources import SafetensorsFolder, StateDictSource
+
+    if isinstance(source, (str, Path)):
+        src = SafetensorsFolder(source)
+    else:
+        if config is None:
+            raise ValueError("pushing an in-memory state dict needs the model's HF config dict (config=...)")
+        src = StateDictSource(source if isinstance(source, Mapping) else dict(source), config=config)
+    if layout == "nvfp4":
+        out = {}
+        for bucket in iter_buckets(src, ConvertOptions(recipe=recipe, report=False)):
+            out |= bucket
+        return out
+    out = {}
+    for name, t in src.tensors():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name}: layout bf16 needs float tensors, got {type(t).__name__} "
+                             f"{getattr(t, 'dtype', '')}; push NVFP4 sources with layout nvfp4")
+        out[name] = t.to(torch.bfloat16)
+    return out

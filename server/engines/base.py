@@ -1,0 +1,113 @@
+"""What the sidecar needs from an engine, and the tensor table an update is validated against."""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from sampler_plugin.config import SamplerConfig
+from sampler_plugin.policy import should_quantize
+
+from ..protocol import DENSE_DTYPES, LogprobsRequest, SequenceLogprobs, TensorEntry
+
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed an operation; `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, *, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor an update may carry: checkpoint `name`, logical `shape`; `quantized` NVFP4 linears
+    accept dense (quantized on arrival) and nvfp4 layouts, everything else dense only."""
+
+    name: str
+    shape: tuple[int, ...]
+    quantized: bool
+
+    def check(self, entry: TensorEntry) -> str | None:
+        """None if `entry` fits this tensor, else a message naming the problem."""
+        if tuple(entry.shape) != self.shape:
+            return f"{entry.name}: shape {entry.shape} does not match the model's {list(self.shape)}"
+        if entry.layout == "nvfp4" and not self.quantized:
+            return f"{entry.name}: this tensor is not quantized by the sampler; send it dense"
+        if entry.layout == "dense" and entry.dtype not in DENSE_DTYPES:
+            return f"{entry.name}: dtype {entry.dtype} is not a float dtype"
+        return None
+
+
+def sampler_config(model_dir: str | Path) -> SamplerConfig:
+    """The checkpoint's nvfp4_sampler quantization_config, or the defaults (online quantization)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    qc = cfg.get("quantization_config")
+    return SamplerConfig.from_dict(qc) if qc else SamplerConfig()
+
+
+def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
+    """The update table of a BF16 or pre-quantized sampler checkpoint, from its safetensors headers.
+
+    A 2-D `P.weight` whose module P is quantized under the checkpoint's SamplerConfig (and K % 16 == 0)
+    is quantized; its NVFP4 scales are not separate entries (they travel inside an nvfp4 frame).
+    """
+    config = sampler_config(model_dir)
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                shapes[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    specs = {}
+    for name, (shape, dtype) in shapes.items():
+        if name.endswith(_SCALE_SUFFIXES):
+            continue
+        module = name.removesuffix(".weight")
+        if dtype == "U8" and name.endswith(".weight"):                   # pre-quantized triplet
+            specs[name] = TensorSpec(name, (shape[0], shape[1] * 2), True)
+        else:
+            quantized = (name.endswith(".weight") and len(shape) == 2 and shape[1] % 16 == 0
+                         and should_quantize(module, config))
+            specs[name] = TensorSpec(name, shape, quantized)
+    return specs
+
+
+class Engine(abc.ABC):
+    """An inference engine behind the sidecar. Every call is made while the app holds its
+    read lock (serving) or write lock (`apply_update`), so calls never interleave with an update."""
+
+    kind: str
+    model_id: str
+    specs: dict[str, TensorSpec]
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def weight_version(self) -> int: ...
+
+    @abc.abstractmethod
+    async def apply_update(self, staged_path: Path, version: int) -> dict:
+        """Load the staged safetensors file of checkpoint-named tensors in place; validate all first."""
+
+    @abc.abstractmethod
+    async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]: ...
+
+    @abc.abstractmethod
+    async def openai(self, route: str, body: dict) -> tuple[int, dict]:
+        """An OpenAI-compatible call (route "models", "completions" or "chat/completions") -> (status, JSON)."""
+
+    def queue_depth(self) -> int:
+        return 0

@@ -1,0 +1,282 @@
+"""Embedded engine: a transformers model with NVFP4 linears (kernels.dispatch), in the sidecar process.
+
+For machines without vLLM. Every model access runs on one worker thread, so generation, log-prob
+batches and weight updates never overlap. Log-prob requests queued while the worker is busy are
+merged into one forward pass (up to `max_batch_tokens`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kernels import dispatch
+from kernels.format import NVFP4Tensor
+from sampler_plugin.config import SamplerConfig
+from sampler_plugin.policy import should_quantize
+
+from ..protocol import LogprobsRequest, SequenceLogprobs
+from .base import Engine, EngineError, checkpoint_specs, sampler_config
+
+
+class NVFP4Linear(torch.nn.Module):
+    """y [..., N] = x [..., K] @ W.T + b with W NVFP4 [N, K] and per-token NVFP4 activations."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: torch.Tensor | None, config: SamplerConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("codes", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("block_scales", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn))
+        self.register_buffer("global_scale", torch.ones((), dtype=torch.float32))
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def load(self, w: NVFP4Tensor) -> None:
+        self.codes.copy_(w.codes)
+        self.block_scales.copy_(w.block_scales)
+        self.global_scale.copy_(w.global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
+        return dispatch.linear(x, w, bias=self.bias, scaling=self.config.activation_scaling,
+                               backend=self.config.backend)
+
+
+def _quantize_modules(model: torch.nn.Module, config: SamplerConfig) -> dict[str, NVFP4Linear]:
+    """Swap every quantized nn.Linear (policy.should_quantize, K % 16 == 0) for an NVFP4Linear."""
+    swapped = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and should_quantize(name, config):
+            parent, _, child = name.rpartition(".")
+            new = NVFP4Linear(mod.in_features, mod.out_features, bias=mod.bias, config=config)
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+            swapped[name] = new
+    return swapped
+
+
+class EmbeddedEngine(Engine):
+    kind = "embedded"
+
+    def __init__(self, model_dir: str | Path, *, max_batch_tokens: int = 16384):
+        self.model_dir = Path(model_dir)
+        self.model_id = str(self.model_dir)
+        self.max_batch_tokens = max_batch_tokens
+        self.specs = checkpoint_specs(self.model_dir)
+        self.config = sampler_config(self.model_dir)
+        self._version = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedded-engine")
+        self._queue: list[tuple[LogprobsRequest, asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self._run(self._load)
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _load(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        if hasattr(hf_config, "quantization_config"):
+            del hf_config.quantization_config
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+        self.qlinears = _quantize_modules(self.model, self.config)
+        self.params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        state = {}
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            state |= load_file(f)
+        self._write(state)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+
+    # ------------------------------------------------------------------ updates
+    async def weight_version(self) -> int:
+        return self._version
+
+    async def apply_update(self, staged_path: Path, version: int) -> dict:
+        return await self._run(self._apply, staged_path, version)
+
+    def _apply(self, staged_path: Path, version: int) -> dict:
+        t0 = time.perf_counter()
+        n = self._write(load_file(staged_path))
+        self._version = version
+        return {"tensors": n, "seconds": time.perf_counter() - t0}
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Validate every checkpoint-named tensor, then write them all (nothing half-applied)."""
+        plan = []          # (callable, args)
+        for name, t in tensors.items():
+            module = name.rsplit(".", 1)[0]
+            if module in self.qlinears and name.endswith((".weight_scale", ".weight_scale_2")):
+                continue                                   # consumed with their P.weight
+            if module in self.qlinears and name.endswith(".weight"):
+                plan.append((self.qlinears[module].load, self._nvfp4_weight(module, t, tensors)))
+                continue
+            target = self.params.get(name)
+            if target is None:
+                raise EngineError(f"{name}: no such tensor in the model", status=422)
+            if tuple(target.shape) != tuple(t.shape) or not t.is_floating_point():
+                raise EngineError(f"{name}: got {t.dtype} {list(t.shape)}, model has {target.dtype} "
+                                  f"{list(target.shape)}", status=422)
+            plan.append((target.data.copy_, t))
+        with torch.no_grad():
+            for fn, arg in plan:
+                fn(arg)
+        return len(plan)
+
+    def _nvfp4_weight(self, module: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> NVFP4Tensor:
+        """P.weight as NVFP4: quantized from a float tensor, or the checkpoint triplet as it is."""
+        lin = self.qlinears[module]
+        n, k = lin.codes.shape[0], lin.codes.shape[1] * 2
+        if t.dtype == torch.uint8:
+            scales = (tensors.get(f"{module}.weight_scale"), tensors.get(f"{module}.weight_scale_2"))
+            if scales[0] is None or scales[1] is None:
+                raise EngineError(f"{module}.weight: uint8 codes without weight_scale / weight_scale_2", status=422)
+            w = NVFP4Tensor(t, scales[0], scales[1].reshape(()))
+        else:
+            if tuple(t.shape) != (n, k):
+                raise EngineError(f"{module}.weight: shape {list(t.shape)}, model has {[n, k]}", status=422)
+            w = dispatch.quantize_weight_on(t.to(torch.bfloat16), recipe=self.config.weight_recipe,
+                                            backend=self.config.backend)
+        if tuple(w.shape) != (n, k):
+            raise EngineError(f"{module}.weight: NVFP4 shape {list(w.shape)}, model has {[n, k]}", status=422)
+        return w
+
+    # ------------------------------------------------------------------ log-probs (batched)
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        bad = [i for i, s in enumerate(req.sequences) if max(s) >= vocab]
+        if bad:
+            raise EngineError(f"sequence {bad[0]}: token id >= vocab size {vocab}", status=422)
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((req, fut))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch, tokens = [], 0
+            while self._queue and (not batch or tokens + sum(map(len, self._queue[0][0].sequences))
+                                   <= self.max_batch_tokens):
+                batch.append(self._queue.pop(0))
+                tokens += sum(map(len, batch[-1][0].sequences))
+            seqs = [(s, p, r.top_k) for r, _ in batch for s, p in zip(r.sequences, r.prompt_lens)]
+            try:
+                out = await self._run(self._score, seqs)
+            except Exception as e:  # noqa: BLE001 - the error belongs to the waiting requests
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            i = 0
+            for r, fut in batch:
+                fut.set_result(out[i:i + len(r.sequences)])
+                i += len(r.sequences)
+
+    @torch.no_grad()
+    def _score(self, seqs: list[tuple[list[int], int, int]]) -> list[SequenceLogprobs]:
+        """One padded forward pass; log-probs of seq[p:] from positions p-1 .. len-2 (fp32 log-softmax)."""
+        length = max(len(s) for s, _, _ in seqs)
+        ids = torch.zeros(len(seqs), length, dtype=torch.long)
+        mask = torch.zeros(len(seqs), length, dtype=torch.long)
+        for i, (s, _, _) in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        head = self.model.get_output_embeddings()
+        results = []
+        for i, (s, p, k) in enumerate(seqs):
+            logp = torch.log_softmax(head(hidden[i, p - 1:len(s) - 1]).float(), dim=-1)   # [T, V]
+            target = torch.tensor(s[p:])
+            res = SequenceLogprobs(logprobs=logp.gather(1, target[:, None])[:, 0].tolist())
+            if k:
+                top = logp.topk(k, dim=-1)
+                res.top_ids, res.top_logprobs = top.indices.tolist(), top.values.tolist()
+            results.append(res)
+        return results
+
+    # ------------------------------------------------------------------ OpenAI-compatible routes
+    async def openai(self, route: str, body: dict) -> tuple[int, dict]:
+        if route == "models":
+            return 200, {"object": "list", "data": [{"id": self.model_id, "object": "model",
+                                                      "owned_by": "nvfp4-sampler", "root": self.model_id}]}
+        if body.get("stream"):
+            return 400, {"error": {"message": "stream=true is not supported by the embedded engine",
+                                   "type": "invalid_request_error"}}
+        if body.get("model") not in (None, self.model_id):
+            return 404, {"error": {"message": f"model {body.get('model')!r} not found; serving {self.model_id!r}",
+                                   "type": "invalid_request_error"}}
+        if route == "completions":
+            return 200, await self._run(self._completion, body)
+        if route == "chat/completions":
+            return 200, await self._run(self._chat, body)
+        return 404, {"error": {"message": f"unknown route {route}", "type": "invalid_request_error"}}
+
+    @torch.no_grad()
+    def _generate(self, prompt: list[int], body: dict) -> tuple[list[int], list[torch.Tensor], str]:
+        """Sample up to max_tokens after `prompt` -> (token ids, fp32 log-softmax rows [V] each, finish reason)."""
+        temperature = float(body.get("temperature", 1.0) or 0.0)
+        if body.get("seed") is not None:
+            torch.manual_seed(int(body["seed"]))
+        max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        out = self.model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or None,
+            top_p=body.get("top_p") or None, top_k=None, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        ids = out.sequences[0, len(prompt):].tolist()
+        rows = [torch.log_softmax(lg[0].float(), dim=-1) for lg in out.logits]
+        finish = "length" if len(ids) >= max_tokens and ids[-1] != self.tokenizer.eos_token_id else "stop"
+        return ids, rows, finish
+
+    def _completion(self, body: dict) -> dict:
+        prompt = body.get("prompt", "")
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        ids, rows, finish = self._generate(prompt_ids, body)
+        choice = {"index": 0, "text": self.tokenizer.decode(ids), "finish_reason": finish, "logprobs": None}
+        if body.get("logprobs") is not None:
+            k = int(body["logprobs"])
+            toks = [self.tokenizer.decode([t]) for t in ids]
+            choice["logprobs"] = {
+                "tokens": toks, "token_logprobs": [float(r[t]) for r, t in zip(rows, ids)],
+                "top_logprobs": [{self.tokenizer.decode([int(j)]): float(v) for v, j in zip(*r.topk(k))}
+                                 for r in rows] if k else None,
+                "text_offset": [sum(map(len, toks[:i])) for i in range(len(toks))]}
+        return self._envelope("text_completion", choice, len(prompt_ids), len(ids))
+
+    def _chat(self, body: dict) -> dict:
+        prompt_ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+            prompt_ids = prompt_ids["input_ids"]
+        ids, rows, finish = self._generate(list(prompt_ids), body)
+        content_ids = [t for t in ids if t != self.tokenizer.eos_token_id]
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None,
+                  "message": {"role": "assistant", "content": self.tokenizer.decode(content_ids,
+                                                                                    skip_special_tokens=True)}}
+        if body.get("logprobs"):
+            k = int(body.get("top_logprobs") or 0)
+
+            def item(tok: int, lp: float) -> dict:
+                s = self.tokenizer.decode([tok])
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            choice["logprobs"] = {"content": [
+                {**item(t, float(r[t])), "top_logprobs": [item(int(j), float(v)) for v, j in zip(*r.topk(k))]}
+                for r, t in zip(rows, ids)]}
+        return self._envelope("chat.completion", choice, len(prompt_ids), len(ids))
+
+    def _envelope(self, obj: str, choice: dict, n_prompt: int, n_out: int) -> dict:
+        return {"id": f"{obj.split('.')[0]}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
+                "model": self.model_id, "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}

@@ -1,0 +1,94 @@
+"""Sidecar settings: the only place that reads environment variables (NVFP4_SAMPLER_*) and flags.
+
+Flags override environment variables, which override defaults. A non-loopback bind without a token
+is refused: mutating routes would be open to the network.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import ipaddress
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+ENV_PREFIX = "NVFP4_SAMPLER_"
+TOKEN_ENV = ENV_PREFIX + "TOKEN"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """engine: "vllm" (start the vLLM OpenAI server), "embedded" (transformers in-process), "remote"
+    (an already running vLLM server at engine_url), or "auto" (vllm when installed, else embedded).
+    host/port: the sidecar's bind address. token: bearer token for mutating routes (None: loopback only).
+    staging_dir: where commits write the staged safetensors file (tmpfs by default when present).
+    max_frame_bytes: largest accepted frame payload. update_idle_timeout_s: an open update with no
+    activity for this long is aborted when another begins. logprob_max_batch_tokens: batching limit.
+    """
+
+    model: str | None = None
+    engine: str = "auto"
+    engine_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    token: str | None = None
+    staging_dir: Path = dataclasses.field(default_factory=lambda: _default_staging())
+    max_frame_bytes: int = 4 << 30
+    update_idle_timeout_s: float = 300.0
+    logprob_max_batch_tokens: int = 16384
+    engine_start_timeout_s: float = 600.0
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.engine == "auto":
+            object.__setattr__(self, "engine", "vllm" if importlib.util.find_spec("vllm") else "embedded")
+        if self.engine not in ("vllm", "embedded", "remote"):
+            raise ValueError(f"engine must be 'auto', 'vllm', 'embedded' or 'remote', got {self.engine!r}")
+        if self.engine == "remote" and not self.engine_url:
+            raise ValueError("engine 'remote' needs engine_url (--engine-url)")
+        if self.engine != "remote" and not self.model:
+            raise ValueError(f"engine {self.engine!r} needs a model folder")
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(f"refusing to bind {self.host}: a non-loopback bind needs a token "
+                             f"(--token or {TOKEN_ENV})")
+
+    @classmethod
+    def from_env(cls, **flags) -> "Settings":
+        """Settings from NVFP4_SAMPLER_<FIELD> environment variables, then `flags` (None = not given)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and f.name != "vllm_args":
+                values[f.name] = _coerce(f.type, raw)
+        values.update({k: v for k, v in flags.items() if v is not None})
+        if "staging_dir" in values:
+            values["staging_dir"] = Path(values["staging_dir"])
+        return cls(**values)
+
+
+def client_token(token: str | None = None) -> str | None:
+    """The bearer token a client sends: the given one, else NVFP4_SAMPLER_TOKEN."""
+    return token if token is not None else os.environ.get(TOKEN_ENV)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+
+
+def _coerce(type_name: str, raw: str):
+    if "int" in type_name and "float" not in type_name:
+        return int(raw)
+    if "float" in type_name:
+        return float(raw)
+    return raw
+
+
+def _default_staging() -> Path:
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())) / "nvfp4-sampler-staging"
