@@ -1,0 +1,111 @@
+"""Plain-torch NVFP4 modules and `quantize_model`: a transformers model made W4A4 in place.
+
+The same layer operations as the engine adapters (`sampler_plugin.layers`), so a quantized
+transformers model is the pure-torch forward that the plugins are tested against, and an embedded
+engine for tools that need no vLLM. Every checkpoint tensor keeps its own second-level scale.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import layers
+from .config import SamplerConfig
+from .policy import should_quantize
+
+
+class NVFP4Linear(nn.Module):
+    """y = x W^T + b with W [N, K] in NVFP4 and x quantized per config (per token by default)."""
+
+    def __init__(self, weight: layers.QuantizedWeight, bias: torch.Tensor | None, config: SamplerConfig):
+        super().__init__()
+        self.codes = nn.Parameter(weight.codes, requires_grad=False)
+        self.block_scales = nn.Parameter(weight.block_scales, requires_grad=False)
+        self.global_scale = nn.Parameter(weight.global_scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.config = config
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig) -> "NVFP4Linear":
+        """Quantize `linear` (checkpoint prefix `name`) with config.weight_recipe."""
+        n, k = linear.weight.shape
+        w = layers.create_weight(n, k, device=linear.weight.device, name=name)
+        layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)
+        return cls(w, linear.bias, config)
+
+    def weight(self) -> layers.QuantizedWeight:
+        return layers.QuantizedWeight(self.codes, self.block_scales, self.global_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layers.apply_linear(x, self.weight(), bias=self.bias, config=self.config)
+
+
+class NVFP4Experts(nn.Module):
+    """Stacked SwiGLU experts (transformers' `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) in NVFP4.
+
+    forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H], as the
+    transformers experts module it replaces; routing stays the model's.
+    """
+
+    def __init__(self, w13: layers.QuantizedWeight, w2: layers.QuantizedWeight, config: SamplerConfig):
+        super().__init__()
+        self.w13 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w13)])
+        self.w2 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w2)])
+        self.config = config
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, name: str, config: SamplerConfig,
+                     proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> "NVFP4Experts":
+        """Quantize each expert's gate, up and down projection as its own checkpoint tensor."""
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()   # [E, 2I, H], [E, H, I]
+        e_count, two_i, hidden = gate_up.shape
+        inter = two_i // 2
+        w13 = layers.create_weight(two_i, hidden, experts=e_count, device=gate_up.device, name=name)
+        w2 = layers.create_weight(hidden, inter, experts=e_count, global_per_row=False, device=down.device, name=name)
+        gate, up, dn = proj_names
+        for e in range(e_count):
+            layers.write(w13, layers.Shard(f"{name}.{e}.{gate}", (inter, hidden), slice(0, inter), e), "weight",
+                         gate_up[e, :inter], config=config)
+            layers.write(w13, layers.Shard(f"{name}.{e}.{up}", (inter, hidden), slice(inter, two_i), e), "weight",
+                         gate_up[e, inter:], config=config)
+            layers.write(w2, layers.Shard(f"{name}.{e}.{dn}", (hidden, inter), slice(0, hidden), e), "weight",
+                         down[e], config=config)
+        return cls(w13, w2, config)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        w13, w2 = (layers.QuantizedWeight(*p) for p in (self.w13, self.w2))
+        return layers.apply_moe(hidden_states, w13, w2, top_k_weights, top_k_index, config=self.config)
+
+
+def dataclass_tensors(w: layers.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return w.codes, w.block_scales, w.global_scale
+
+
+def _is_stacked_experts(module: nn.Module) -> bool:
+    """transformers >= 5 experts: 3-D `gate_up_proj` and `down_proj` parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
+def quantize_model(model: nn.Module, config: SamplerConfig | None = None) -> dict[str, str]:
+    """Replace, in place, every nn.Linear and stacked-experts module that `policy.should_quantize`
+    selects by its NVFP4 counterpart (names are the checkpoint's module prefixes).
+
+    Returns {module name: "linear" | "experts"} of the replaced modules.
+    """
+    config = config or SamplerConfig()
+    replaced: dict[str, str] = {}
+    for name, module in list(model.named_modules()):
+        if not name or not should_quantize(name, config):
+            continue
+        if isinstance(module, nn.Linear):
+            new, kind = NVFP4Linear.from_linear(module, name, config), "linear"
+        elif _is_stacked_experts(module):
+            new, kind = NVFP4Experts.from_experts(module, name, config), "experts"
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced[name] = kind
+    return replaced

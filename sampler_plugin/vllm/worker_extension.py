@@ -1,0 +1,77 @@
+"""In-place weight reload for a running vLLM engine (`--worker-extension-cls`).
+
+  LLM(model, quantization="nvfp4_sampler",
+      worker_extension_cls="sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension")
+  llm.collective_rpc("nvfp4_apply_update", args=(staged_path, version))
+  llm.reset_prefix_cache()        # cached KV blocks were computed with the old weights
+
+or over HTTP with `VLLM_SERVER_DEV_MODE=1`: POST /collective_rpc
+{"method": "nvfp4_apply_update", "args": [staged_path, "7"]}, then POST /reset_prefix_cache.
+
+The staged file is a safetensors file of checkpoint-named tensors (docs/ARCHITECTURE.md, "Weight
+updates"): BF16 `P.weight` (quantized on arrival) or NVFP4 triplets, any subset, including a single
+shard of a fused layer or one expert's projection; plus BF16 tensors that vLLM keeps under their
+checkpoint names (norms, embeddings, lm_head, MoE routers). Everything is validated before anything
+is written, and written into the existing parameters (shapes and addresses never change).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from .. import layers
+from .linear import NVFP4LinearMethod
+from .moe import NVFP4MoEMethod
+
+
+def reload_targets(model: torch.nn.Module) -> dict[str, layers.Target]:
+    """Checkpoint name -> Target for every reloadable tensor of a vLLM model.
+
+    NVFP4 layers are keyed by checkpoint module prefix ("model.layers.0.self_attn.k_proj",
+    "model.layers.0.mlp.experts.3.up_proj"); plain tensors by full name ("model.norm.weight").
+    """
+    targets: dict[str, layers.Target] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, NVFP4LinearMethod):
+            w = method.storage(module)
+            targets.update({s.name: layers.Target(weight=w, shard=s) for s in method.shards(module)})
+        elif isinstance(method, NVFP4MoEMethod):
+            storage = method.storage(module)
+            for e in range(storage["w13"].codes.shape[0]):
+                for sid, s in method.expert_shards(module, e).items():
+                    targets[s.name] = layers.Target(weight=storage["w2" if sid == "w2" else "w13"], shard=s)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not hasattr(p, "nvfp4_kind") and p.numel() > 0:
+            targets[name] = layers.Target(param=p.data)
+    return targets
+
+
+class NVFP4SamplerWorkerExtension:
+    """Mixed into vLLM's worker class; methods run on every worker via `collective_rpc`."""
+
+    def nvfp4_apply_update(self, staged_path: str, version: int | str) -> dict:
+        """Load the safetensors file `staged_path` into the running model and set the weight version.
+
+        Returns {"version", "tensors", "bytes", "seconds"}. Raises ValueError naming the first bad
+        tensor (unknown name, wrong dtype or shape, incomplete NVFP4 triplet); nothing is written then.
+        """
+        start = time.perf_counter()
+        tensors = load_file(staged_path)
+        model = self.model_runner.model
+        quant_config = self.vllm_config.quant_config
+        if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
+            raise ValueError("nvfp4_apply_update needs an engine started with quantization='nvfp4_sampler'")
+        config = quant_config.sampler
+        with torch.no_grad():
+            names = layers.apply_update(reload_targets(model), tensors, config=config)
+        self.nvfp4_version = int(version)
+        return {"version": self.nvfp4_version, "tensors": len(names),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "seconds": time.perf_counter() - start}
+
+    def nvfp4_weight_version(self) -> int:
+        """Version set by the last successful nvfp4_apply_update (0 = the weights loaded at start)."""
+        return getattr(self, "nvfp4_version", 0)
