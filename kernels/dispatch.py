@@ -8,6 +8,7 @@ Backend libraries (triton) are imported only inside the backend that needs them.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -37,8 +38,45 @@ class ReferenceBackend:
         return reference.moe(x, w13, w2, topk_weights, topk_ids)
 
 
-BACKENDS: dict[str, type] = {"reference": ReferenceBackend}
-PRIORITY: list[str] = ["reference"]   # GPU backends are inserted in front of the reference
+class TritonHopperBackend:
+    """Triton kernels for CUDA GPUs of compute capability >= 9.0 (written and measured on Hopper):
+    fused per-token quantization, packed W4A4 GEMM for small M, exact-BF16 cuBLAS path for large M
+    (`kernels.triton_gemm.linear_path`), grouped MoE. Quantization is bit-identical to the
+    reference; GEMM and MoE differ only by FP32 summation order. No native FP4 tensor cores used."""
+
+    name = "triton_hopper"
+
+    @staticmethod
+    def is_supported(device: torch.device) -> tuple[bool, str]:
+        if device.type != "cuda":
+            return False, f"needs a CUDA device, got {device.type}"
+        if not torch.cuda.is_available():
+            return False, "torch.cuda is not available"
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (9, 0):
+            return False, f"needs compute capability >= 9.0 (hardware E4M3 rounding), got {cap[0]}.{cap[1]}"
+        if importlib.util.find_spec("triton") is None:
+            return False, "triton is not installed"
+        return True, f"CUDA capability {cap[0]}.{cap[1]} with triton"
+
+    @staticmethod
+    def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+        from . import triton_quant
+        return triton_quant.quantize_weight(w, recipe=recipe, amax=amax)
+
+    @staticmethod
+    def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str) -> torch.Tensor:
+        from . import triton_gemm
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling)
+
+    @staticmethod
+    def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+        from . import triton_moe
+        return triton_moe.moe(x, w13, w2, topk_weights, topk_ids)
+
+
+BACKENDS: dict[str, type] = {"triton_hopper": TritonHopperBackend, "reference": ReferenceBackend}
+PRIORITY: list[str] = ["triton_hopper", "reference"]   # GPU backends first; the reference always runs
 
 
 @functools.lru_cache(maxsize=None)

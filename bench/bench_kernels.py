@@ -1,0 +1,266 @@
+"""NVFP4 kernel benchmark on one CUDA GPU: every ratio is measured side by side in this process.
+
+Rows: device copy bandwidth (the roofline, bytes read + written), per-token activation
+quantization, weight conversion of a Qwen3-30B-A3B-shaped layer (x48 layers), W4A4 linear at
+Qwen3-30B-A3B and Qwen3-8B shapes against cuBLAS BF16 (`torch.matmul`), the Qwen3-30B-A3B MoE
+layer against BF16 `torch._grouped_mm`, the plain torch-eager reference, and the memory ratio.
+
+Timing: CUDA-graph replays (`triton.testing.do_bench_cudagraph`, median), as engines run decode;
+the eager reference (which syncs on its input checks) with `triton.testing.do_bench` (median).
+Weights and routings rotate through copies larger than the 60 MB L2, so no weight is timed from L2.
+
+  PYTHONPATH=. python3 bench/bench_kernels.py --json $OUT/bench.json [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+from kernels import reference, triton_gemm, triton_moe, triton_quant
+
+L2_ROTATE_BYTES = 256 << 20
+LINEAR_SHAPES = {          # name: (N, K)
+    "30B-A3B qkv": (5120, 2048), "30B-A3B o": (2048, 4096),
+    "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+}
+MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
+LAYERS_30B = 48
+DECODE_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=512), dict(num_warps=8, num_stages=4),
+                dict(block_n=128, block_k=512, num_warps=8), dict(min_programs=528, num_stages=4),
+                dict(block_n=32, block_k=512, num_stages=4)]
+
+
+def graph_ms(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def eager_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def rows_bytes(m: int, k: int) -> int:
+    """Bytes a per-token quantizer must move: BF16 in, codes + E4M3 scales + FP32 S_dec out."""
+    return m * k * 2 + m * k // 2 + m * k // 16 + 4 * m
+
+
+def copy_ms(nbytes: int) -> float:
+    """A device copy moving nbytes in total (nbytes/2 read, nbytes/2 written)."""
+    src = torch.randn(max(nbytes // 4, 1), device="cuda").view(torch.uint8)[: nbytes // 2]
+    dst = torch.empty_like(src)
+    return graph_ms(lambda: dst.copy_(src))
+
+
+def copies(make, one_bytes: int):
+    n = max(1, math.ceil(L2_ROTATE_BYTES / max(one_bytes, 1)))
+    return [make(i) for i in range(n)]
+
+
+def bench_copy(log) -> float:
+    n = 1 << 30
+    t = copy_ms(2 * n)
+    bw = 2 * n / t / 1e9
+    log("copy", dict(bytes=2 * n, ms=t, gbps=bw))
+    return bw
+
+
+def bench_act_quant(log, peak_gbps: float, quick: bool) -> None:
+    for k in (2048, 4096, 7168):
+        for m in ((1, 16, 1024, 16384) if quick else (1, 16, 128, 1024, 4096, 16384)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = rows_bytes(m, k)
+            ours = graph_ms(lambda: triton_quant.quantize_per_token(x))
+            same = copy_ms(nbytes)
+            ref = eager_ms(lambda: reference.quantize_per_token(x)) if m * k <= (1 << 27) else None
+            log("act_quant", dict(m=m, k=k, bytes=nbytes, ours_ms=ours, copy_same_bytes_ms=same, ref_ms=ref,
+                                  gbps=nbytes / ours / 1e9, frac_peak_copy=nbytes / ours / 1e9 / peak_gbps,
+                                  frac_same_size_copy=same / ours))
+
+
+def layer_30b(device) -> dict[str, torch.Tensor]:
+    """One Qwen3-30B-A3B decoder layer's quantized weights, synthetic BF16 (router stays BF16)."""
+    h, q, kv, e, i = 2048, 4096, 512, MOE["experts"], MOE["inter"]
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "experts.gate_proj": (e, i, h), "experts.up_proj": (e, i, h), "experts.down_proj": (e, h, i)}
+    return {name: (torch.randn(s, device=device) * 0.02).to(torch.bfloat16) for name, s in shapes.items()}
+
+
+def bench_weight_conversion(log, peak_gbps: float) -> None:
+    layer = layer_30b("cuda")
+    amax = {n: triton_quant.weight_amax(w) for n, w in layer.items()}
+    in_bytes = sum(w.numel() * 2 for w in layer.values())
+    out_bytes = sum(w.numel() // 2 + w.numel() // 16 for w in layer.values())
+    nbytes = in_bytes + out_bytes
+    variants = {
+        "1d, amax given (1 pass)": lambda: [triton_quant.quantize_weight(w, amax=amax[n], check_finite=False) for n, w in layer.items()],
+        "2d, amax given (1 pass)": lambda: [triton_quant.quantize_weight(w, recipe="2d", amax=amax[n], check_finite=False) for n, w in layer.items()],
+        "1d, amax computed (2 passes)": lambda: [triton_quant.quantize_weight(w, amax=triton_quant.weight_amax(w), check_finite=False) for n, w in layer.items()],
+    }
+    for name, fn in variants.items():
+        t = graph_ms(fn)
+        log("weight_conversion", dict(variant=name, layer_bytes=nbytes, layer_ms=t, model_ms=t * LAYERS_30B,
+                                      model_gb=nbytes * LAYERS_30B / 1e9, gbps=nbytes / t / 1e9,
+                                      frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+    t = eager_ms(lambda: [triton_quant.quantize_weight(w) for w in layer.values()])
+    log("weight_conversion", dict(variant="1d, checked API (amax + NaN check, 1 sync/tensor)", layer_bytes=nbytes,
+                                  layer_ms=t, model_ms=t * LAYERS_30B, gbps=nbytes / t / 1e9,
+                                  frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+    t = eager_ms(lambda: [reference.quantize_weight(w) for w in layer.values()])
+    log("weight_conversion", dict(variant="torch-eager reference", layer_bytes=nbytes, layer_ms=t,
+                                  model_ms=t * LAYERS_30B, gbps=nbytes / t / 1e9, frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+
+
+def bench_linear(log, quick: bool) -> None:
+    ms = (1, 16, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    for name, (n, k) in LINEAR_SHAPES.items():
+        w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
+        w_q = copies(lambda i: triton_quant.quantize_weight((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)),
+                     n * k * 9 // 16)
+        log("memory", dict(shape=name, bf16_bytes=n * k * 2, nvfp4_bytes=w_q[0].nbytes, ratio=w_q[0].nbytes / (n * k * 2)))
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
+            row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
+            for path in ("packed", "bf16"):
+                row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            row["auto_path"] = triton_gemm.linear_path(m, "per_token")
+            row["ours_ms"] = row[f"{row['auto_path']}_ms"]
+            row["speedup_vs_cublas"] = cublas / row["ours_ms"]
+            row["best_speedup_vs_cublas"] = cublas / min(row["packed_ms"], row["bf16_ms"])
+            if m <= 16:
+                row["ref_ms"] = eager_ms(lambda: reference.linear(x, w_q[0]))
+                sweep = {}
+                for over in DECODE_SWEEP:
+                    cfg = triton_gemm.packed_config(m, n, k, **over)
+                    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+                    def run(cfg=cfg):
+                        a = triton_quant.quantize_per_token(x)
+                        for w in w_q:
+                            triton_gemm.launch_w4a4(a, w, out, config=cfg)
+                    sweep[json.dumps(over)] = dict(cfg=cfg, ms=graph_ms(run) / len(w_q))
+                best = min(sweep.values(), key=lambda v: v["ms"])
+                row["sweep"] = sweep
+                row["sweep_best_ms"] = best["ms"]
+                row["sweep_best_cfg"] = best["cfg"]
+                row["sweep_best_speedup_vs_cublas"] = cublas / best["ms"]
+            log("linear", row)
+        del w_bf, w_q
+        torch.cuda.empty_cache()
+
+
+def bf16_grouped_moe(x, w13_t, w2_t, topk_w, topk_ids):
+    """BF16 MoE baseline with torch._grouped_mm and the same routing / combine steps as ours."""
+    t, k = topk_ids.shape
+    e, _, two_i = w13_t.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    h = torch._grouped_mm(x[order // k], w13_t, offs=offs)
+    act = torch.nn.functional.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]
+    y = torch._grouped_mm(act, w2_t, offs=offs).float() * topk_w.reshape(-1)[order, None]
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=x.device)
+    return y[pos].view(t, k, -1).sum(1).to(x.dtype)
+
+
+def bench_moe(log, quick: bool) -> None:
+    e, h, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
+    w13_bf = (torch.randn(e, 2 * i, h, device="cuda") * 0.02).to(torch.bfloat16)
+    w2_bf = (torch.randn(e, h, i, device="cuda") * 0.02).to(torch.bfloat16)
+    w13 = triton_quant.quantize_weight(w13_bf)
+    w2 = triton_quant.quantize_weight(w2_bf)
+    bf_bytes = (w13_bf.numel() + w2_bf.numel()) * 2
+    log("memory", dict(shape="30B-A3B MoE layer", bf16_bytes=bf_bytes, nvfp4_bytes=w13.nbytes + w2.nbytes,
+                       ratio=(w13.nbytes + w2.nbytes) / bf_bytes))
+    w13_t, w2_t = w13_bf.transpose(1, 2), w2_bf.transpose(1, 2)
+    for t in ((1, 16, 64, 8192) if quick else (1, 4, 16, 64, 256, 1024, 8192)):
+        n_routes = 16 if t <= 64 else 1
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
+        ours = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
+        row = dict(tokens=t, ours_ms=ours)
+        try:
+            base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
+            row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
+        except RuntimeError as err:          # record why the baseline could not run on this build
+            row["bf16_grouped_error"] = str(err)[:300]
+        if t <= 16:
+            tw, ti = routes[0]
+            row["ref_ms"] = eager_ms(lambda: reference.moe(x, w13, w2, tw, ti))
+        log("moe", row)
+
+
+def print_tables(records: list[dict], device: str) -> None:
+    print(f"\n# {device}")
+    by = lambda kind: [r for r in records if r["kind"] == kind]
+    for r in by("copy"):
+        print(f"copy bandwidth: {r['gbps']:.0f} GB/s (bytes read + written)")
+    print("\nactivation quantization (per token)\n   M      K    ours us  GB/s  %peakcopy  %samesizecopy  ref us")
+    for r in by("act_quant"):
+        ref = f"{r['ref_ms'] * 1e3:8.1f}" if r["ref_ms"] else "       -"
+        print(f"{r['m']:6d} {r['k']:6d} {r['ours_ms'] * 1e3:9.2f} {r['gbps']:6.0f} {100 * r['frac_peak_copy']:9.1f}"
+              f" {100 * r['frac_same_size_copy']:13.1f} {ref}")
+    print("\nweight conversion, Qwen3-30B-A3B layer x48")
+    for r in by("weight_conversion"):
+        print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
+    print("\nlinear (us; speedup = cuBLAS / ours)\n  shape           M    cuBLAS   packed     bf16  path  speedup  best-swept")
+    for r in by("linear"):
+        sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
+        print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r['packed_ms'] * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
+              f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x  {sw}")
+    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us   bf16 grouped us  speedup  ref us")
+    for r in by("moe"):
+        base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
+        ref = f"{r['ref_ms'] * 1e3:8.0f}" if "ref_ms" in r else ""
+        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f} {base} {ref}")
+    print("\nmemory (packed + scales) / BF16")
+    for r in by("memory"):
+        print(f"  {r['shape']:20s} {r['ratio']:.4f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default="bench_kernels.json", help="where to write the records")
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+    p.add_argument("--only", default="copy,act,weight,linear,moe", help="comma-separated sections")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    device = (f"{props.name}, sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+              f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, triton {triton.__version__}, "
+              f"CUDA {torch.version.cuda}, python {platform.python_version()}")
+    records: list[dict] = []
+
+    def log(kind, rec):
+        records.append(dict(kind=kind, **rec))
+        print(kind, {k: (round(v, 5) if isinstance(v, float) else v) for k, v in rec.items() if k != "sweep"}, flush=True)
+
+    only = set(args.only.split(","))
+    start = time.time()
+    peak = bench_copy(log)
+    if "act" in only:
+        bench_act_quant(log, peak, args.quick)
+    if "weight" in only:
+        bench_weight_conversion(log, peak)
+    if "linear" in only:
+        bench_linear(log, args.quick)
+    if "moe" in only:
+        bench_moe(log, args.quick)
+    with open(args.json, "w") as f:
+        json.dump(dict(device=device, seconds=time.time() - start, records=records), f, indent=1)
+    print_tables(records, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

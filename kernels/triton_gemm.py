@@ -1,0 +1,377 @@
+"""W4A4 NVFP4 GEMMs for CUDA GPUs without FP4 tensor cores (Triton; written for Hopper sm_90).
+
+Exact emulation: e2m1(q) * float(s) has at most 6 significant bits, so it is exact in FP16 (and
+BF16); the tensor cores multiply those exactly and accumulate in FP32; the FP32 second-level
+scales (per token for activations, per output row for weights) are applied in the epilogue, in
+the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `reference.nvfp4_gemm`
+only by the order of the FP32 additions.
+
+Two paths, chosen by `linear_path(m)` and counted in `PATH_COUNTS`:
+  "packed"  (M <= PACKED_MAX_M, decode)  `_w4a4_kernel`: weights stay packed 4-bit in memory and are
+            decoded in registers (an inline-PTX `prmt` table lookup turns 4 codes into FP16 per 3-4
+            instructions), times the block scale; the activation is decoded the same way. The
+            product runs as W @ A^T so the big operand is the MMA's register operand. Split-K
+            partial sums meet in an FP32 workspace; the last program of a tile (atomic counter)
+            applies the epilogue and zeroes the workspace again, so a call is one launch after
+            the activation quantization.
+  "bf16"    (large M)  the activation is quantized into exact BF16 values (one fused pass), the
+            weight is decoded into a transient exact BF16 copy (no persistent cache: memory stays at
+            0.28x BF16), cuBLAS multiplies with an FP32 output (`torch.mm(..., out_dtype=float32)`),
+            and one Triton pass applies the scales and the bias.
+The same kernel serves the MoE grouped GEMM (`kernels.triton_moe`): tiles map to experts through
+device-side metadata, activation rows are gathered by index, and the epilogue can fuse SwiGLU and
+the router weight.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_quant
+from .format import NVFP4Tensor
+
+PACKED_MAX_M = 512
+PATH_COUNTS: collections.Counter = collections.Counter()   # path name -> calls (what the dispatcher chose)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
+_DECODE_LO = """{
+.reg .b32 sel, t, w, tlo, thi, z;
+mov.b32 tlo, 0x3E3C3800;
+mov.b32 thi, 0x46444240;
+mov.b32 z, 0;
+shl.b32 sel, $2, 4;
+and.b32 sel, sel, 0x7070;
+prmt.b32 t, tlo, thi, sel;
+prmt.b32 w, $2, z, 0x1404;
+shl.b32 w, w, 4;
+and.b32 w, w, 0x80008000;
+or.b32 $0, t, w;
+shr.b32 sel, $2, 12;
+and.b32 sel, sel, 0x7070;
+prmt.b32 t, tlo, thi, sel;
+prmt.b32 w, $2, z, 0x3424;
+shl.b32 w, w, 4;
+and.b32 w, w, 0x80008000;
+or.b32 $1, t, w;
+}"""
+_DECODE_HI = """{
+.reg .b32 sel, t, w, tlo, thi, z;
+mov.b32 tlo, 0x3E3C3800;
+mov.b32 thi, 0x46444240;
+mov.b32 z, 0;
+and.b32 sel, $2, 0x7070;
+prmt.b32 t, tlo, thi, sel;
+prmt.b32 w, $2, z, 0x1404;
+and.b32 w, w, 0x80008000;
+or.b32 $0, t, w;
+shr.b32 sel, $2, 16;
+and.b32 sel, sel, 0x7070;
+prmt.b32 t, tlo, thi, sel;
+prmt.b32 w, $2, z, 0x3424;
+and.b32 w, w, 0x80008000;
+or.b32 $1, t, w;
+}"""
+
+
+@triton.jit
+def _e2m1_fp16(nib):
+    """Codes in [0, 15] (int32) -> fp16 E2M1 values (portable decode, used by the interpreter)."""
+    e = (nib >> 1) & 3
+    m = (nib & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((nib & 8) != 0, -mag, mag).to(tl.float16)
+
+
+@triton.jit
+def _decode(packed, scales, USE_ASM: tl.constexpr):
+    """Packed codes uint8 [R, KH] and their e4m3 scales [R, KH/8] -> (lo, hi) fp16 [R, KH]:
+    lo[r, i] = e2m1(low nibble of byte i) * s, hi[r, i] = e2m1(high nibble) * s (both exact)."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_DECODE_LO, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_DECODE_HI, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int32)
+        lo = _e2m1_fp16(p & 15)
+        hi = _e2m1_fp16(p >> 4)
+    R: tl.constexpr = packed.shape[0]
+    KH: tl.constexpr = packed.shape[1]
+    s = scales.to(tl.float16)[:, :, None]
+    lo = tl.reshape(tl.reshape(lo, (R, KH // 8, 8)) * s, (R, KH))
+    hi = tl.reshape(tl.reshape(hi, (R, KH // 8, 8)) * s, (R, KH))
+    return lo, hi
+
+
+@triton.jit
+def _w4a4_kernel(
+    # activations, per-token quantized: codes [*, K/2], scales [*, K/16], S_dec [*] (stride 0: per tensor)
+    a_codes, a_scales, a_gs, stride_a_gs,
+    a_index,                         # int32 [R]: A row of each logical row (GATHER)
+    # weights [E, W_ROWS, K/2], scales [E, W_ROWS, K/16], S_dec at e*stride_gs_e + n*stride_gs_n
+    w_codes, w_scales, w_gs, stride_gs_e, stride_gs_n, W_ROWS,
+    out, row_weight, bias,           # out [R, N]; row_weight fp32 [R] (ROW_WEIGHT); bias [N] (HAS_BIAS)
+    tile_expert, tile_start, tile_end,   # int32 [tiles] (GROUPED): expert and row range of each M tile
+    ws, counters,                    # split-K: fp32 [R, N] and int32 [tiles * n_tiles], both zero
+    R, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        e = tl.load(tile_expert + pid_m)
+        r0 = tl.load(tile_start + pid_m)
+        r1 = tl.load(tile_end + pid_m)
+    else:
+        e = pid_m * 0
+        r0 = pid_m * BLOCK_M
+        r1 = R
+    if r0 < r1:
+        KH: tl.constexpr = BLOCK_K // 2
+        KB: tl.constexpr = BLOCK_K // 16
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < r1
+        if GATHER:
+            arow = tl.load(a_index + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        wrow = e.to(tl.int64) * W_ROWS + cols
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per
+        k_hi = tl.minimum(k_lo + k_per, K)
+        kh = tl.arange(0, KH)
+        kb = tl.arange(0, KB)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            bmask = (k0 // 2 + kh) < K // 2
+            smask = (k0 // 16 + kb) < K // 16
+            ac = tl.load(a_codes + arow[:, None] * (K // 2) + k0 // 2 + kh[None, :],
+                         mask=rmask[:, None] & bmask[None, :], other=0)
+            asc = tl.load(a_scales + arow[:, None] * (K // 16) + k0 // 16 + kb[None, :],
+                          mask=rmask[:, None] & smask[None, :], other=0.0)
+            a_lo, a_hi = _decode(ac, asc, USE_ASM)
+            wc = tl.load(w_codes + wrow[:, None] * (K // 2) + k0 // 2 + kh[None, :],
+                         mask=cmask[:, None] & bmask[None, :], other=0)
+            wsc = tl.load(w_scales + wrow[:, None] * (K // 16) + k0 // 16 + kb[None, :],
+                          mask=cmask[:, None] & smask[None, :], other=0.0)
+            w_lo, w_hi = _decode(wc, wsc, USE_ASM)
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc)
+            if SWIGLU:
+                wc = tl.load(w_codes + (wrow + N)[:, None] * (K // 2) + k0 // 2 + kh[None, :],
+                             mask=cmask[:, None] & bmask[None, :], other=0)
+                wsc = tl.load(w_scales + (wrow + N)[:, None] * (K // 16) + k0 // 16 + kb[None, :],
+                              mask=cmask[:, None] & smask[None, :], other=0.0)
+                u_lo, u_hi = _decode(wc, wsc, USE_ASM)
+                acc_u = tl.dot(u_lo, tl.trans(a_lo), acc_u)
+                acc_u = tl.dot(u_hi, tl.trans(a_hi), acc_u)
+        omask = cmask[:, None] & rmask[None, :]
+        o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
+        if SPLIT_K > 1:
+            tl.atomic_add(ws + o_off, acc, mask=omask, sem="relaxed")
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
+            last = arrived == SPLIT_K - 1
+            if last:
+                acc = tl.atomic_add(ws + o_off, tl.zeros_like(acc), mask=omask, sem="relaxed")
+                tl.store(ws + o_off, tl.zeros_like(acc), mask=omask)
+                tl.store(counters + tile, 0)
+        else:
+            last = True
+        if last:
+            a_s = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
+            w_s = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
+            val = acc * a_s[None, :] * w_s[:, None]
+            if SWIGLU:
+                w_su = tl.load(w_gs + e * stride_gs_e + (cols + N) * stride_gs_n, mask=cmask, other=0.0)
+                up = acc_u * a_s[None, :] * w_su[:, None]
+                val = val / (1.0 + tl.exp(-val)) * up
+            if ROW_WEIGHT:
+                val = val * tl.load(row_weight + rows, mask=rmask, other=0.0)[None, :]
+            if HAS_BIAS:
+                val = val + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out + o_off, val.to(out.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dequant_bf16_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16 [ROWS, K] = e2m1 * s (exact)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    kb = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    r64 = r.to(tl.int64)
+    rmask = r < ROWS
+    c = tl.load(codes + r64[:, None] * (K // 2) + kh[None, :], mask=rmask[:, None] & (kh < K // 2)[None, :], other=0)
+    s = tl.load(scales + r64[:, None] * (K // 16) + kb[None, :], mask=rmask[:, None] & (kb < K // 16)[None, :], other=0.0)
+    lo, hi = _decode(c, s, False)
+    vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out + r64[:, None] * K + kk[None, :], vals.to(tl.bfloat16), mask=rmask[:, None] & (kk < K)[None, :])
+
+
+@triton.jit
+def _scale_epilogue_kernel(acc, a_gs, w_gs, stride_w_gs, bias, out, M, N,
+                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [M, N] = (acc * a_gs[m]) * w_gs[n] (+ bias[n]) from the FP32 product acc [M, N]."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    off = m.to(tl.int64)[:, None] * N + n[None, :]
+    v = tl.load(acc + off, mask=mask, other=0.0)
+    v = v * tl.load(a_gs + m, mask=m < M, other=0.0)[:, None] * tl.load(w_gs + n * stride_w_gs, mask=n < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        v = v + tl.load(bias + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + off, v.to(out.dtype.element_ty), mask=mask)
+
+
+_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed split-K buffers (fp32 accumulators, int32 tile counters), grown on demand and left
+    zeroed by every kernel launch. One stream at a time uses them."""
+    ws, cnt = _WORKSPACE.get(device, (None, None))
+    if ws is None or ws.numel() < n_acc or cnt.numel() < n_tiles:
+        ws = torch.zeros(max(n_acc, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_tiles, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
+        _WORKSPACE[device] = (ws, cnt)
+    return ws, cnt
+
+
+def packed_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 256,
+                  num_warps: int = 4, num_stages: int = 3, min_programs: int = 264) -> dict:
+    """Launch configuration of the packed kernel for out [m, n], reduction k.
+
+    Decode sizes are memory bound: BLOCK_N 64 and split-K until about `min_programs` programs
+    (2 per SM of an H200) keep enough weight bytes in flight; larger m takes larger tiles."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = block_n or (64 if m <= 64 else 128)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k < min_programs and k // (block_k * split_k * 2) >= 2:
+        split_k *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+def _gs_strides(gs: torch.Tensor, rows_dim: int) -> tuple[int, int]:
+    """(expert stride, row stride) of a weight global scale [], [N], [E] or [E, N]."""
+    if gs.dim() == 0:
+        return 0, 0
+    if rows_dim == 2:                       # [N, K] weight
+        return 0, gs.stride(0)
+    if gs.dim() == 1:                       # [E, N, K] weight, per expert
+        return gs.stride(0), 0
+    return gs.stride(0), gs.stride(1)
+
+
+def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: torch.Tensor | None = None,
+                schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                row_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+    """out [R, N] = epilogue(deq(a)[rows] @ deq(w[e]).T) with the packed kernel.
+
+    a: [Ma, K] per-token (global_scale [Ma]) or per-tensor ([]) NVFP4. w: [N, K] or experts
+    [E, W_ROWS, K] NVFP4 (global_scale [], [N], [E] or [E, N]). a_index int32 [R]: A row of
+    each output row (else row r). schedule (tile_expert, tile_start, tile_end) int32 [tiles]:
+    grouped tiles of BLOCK_M rows of one expert each (see triton_moe). swiglu: w rows are
+    [gate; up] (W_ROWS = 2N) and out = silu(gate) * up. row_weight fp32 [R] multiplies each row.
+    """
+    r, n = out.shape
+    k = a.shape[-1]
+    if w.shape[-1] != k:
+        raise ValueError(f"activation K={k} does not match weight K={w.shape[-1]}")
+    w_rows = w.codes.shape[-2]
+    if w_rows != (2 * n if swiglu else n):
+        raise ValueError(f"weight has {w_rows} rows, output has {n} columns (swiglu={swiglu})")
+    cfg = dict(config or packed_config(r, n, k))
+    if swiglu or schedule is not None:
+        cfg["SPLIT_K"] = 1
+    bm = cfg["BLOCK_M"]
+    n_tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
+    if schedule is None:
+        n_tiles_m = triton.cdiv(r, bm)
+        tile_expert = tile_start = tile_end = None
+    else:
+        tile_expert, tile_start, tile_end = schedule
+        n_tiles_m = tile_expert.numel()
+    ws = cnt = None
+    if cfg["SPLIT_K"] > 1:
+        ws, cnt = _workspace(out.device, r * n, n_tiles_m * n_tiles_n)
+    gse, gsn = _gs_strides(w.global_scale, w.codes.dim())
+    grid = (n_tiles_m, n_tiles_n, cfg["SPLIT_K"])
+    if r and n:
+        _w4a4_kernel[grid](
+            a.codes, a.block_scales, a.global_scale, 0 if a.global_scale.dim() == 0 else a.global_scale.stride(0),
+            a_index, w.codes, w.block_scales, w.global_scale, gse, gsn, w_rows,
+            out, row_weight, bias, tile_expert, tile_start, tile_end, ws, cnt,
+            r, n, k, GROUPED=schedule is not None, GATHER=a_index is not None, SWIGLU=swiglu,
+            ROW_WEIGHT=row_weight is not None, HAS_BIAS=bias is not None, USE_ASM=not _INTERPRET, **cfg)
+    return out
+
+
+def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
+    """e2m1(q) * float(s) of w [..., K] as exact BF16 [..., K] (second-level scale not applied)."""
+    k = w.shape[-1]
+    codes = w.codes.reshape(-1, k // 2)
+    out = torch.empty((codes.shape[0], k), dtype=torch.bfloat16, device=codes.device)
+    block_k = min(512, triton.next_power_of_2(k))
+    if codes.numel():
+        _dequant_bf16_kernel[(triton.cdiv(codes.shape[0], 16), triton.cdiv(k, block_k))](
+            codes, w.block_scales.reshape(-1, k // 16), out, codes.shape[0], k, BLOCK_R=16, BLOCK_K=block_k,
+            num_warps=4)
+    return out.reshape(w.shape)
+
+
+def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    a = triton_quant.quantize_per_token_exact_bf16(x2)
+    acc = torch.mm(a.values, dequantize_bf16(w).t(), out_dtype=torch.float32)
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+    gs = w.global_scale
+    _scale_epilogue_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 128))](
+        acc, a.global_scale, gs, 0 if gs.dim() == 0 else gs.stride(0), bias, out, m, n,
+        HAS_BIAS=bias is not None, BLOCK_M=64, BLOCK_N=128, num_warps=8)
+    return out
+
+
+def linear_path(m: int, scaling: str) -> str:
+    """Which GEMM path a linear with m rows takes: "packed" or "bf16"."""
+    return "packed" if m <= PACKED_MAX_M or scaling == "per_tensor" else "bf16"
+
+
+def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
+           scaling: str = "per_token", path: str | None = None) -> torch.Tensor:
+    """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
+    in x.dtype. scaling "per_token" (default) or "per_tensor"; path forces "packed" or "bf16"."""
+    if w.codes.dim() != 2:
+        raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    path = path or linear_path(x2.shape[0], scaling)
+    PATH_COUNTS[path] += 1
+    if path == "bf16":
+        if scaling != "per_token":
+            raise ValueError("the bf16 path implements per-token scaling only")
+        out = _linear_bf16(x2, w, bias, x.dtype)
+    elif path == "packed":
+        if scaling == "per_token":
+            a = triton_quant.quantize_per_token(x2)
+        elif scaling == "per_tensor":
+            a = triton_quant.quantize_per_tensor(x2)
+        else:
+            raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
+        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        launch_w4a4(a, w, out, bias=bias)
+    else:
+        raise ValueError(f"path must be 'packed' or 'bf16', got {path!r}")
+    return out.reshape(*x.shape[:-1], w.shape[0])

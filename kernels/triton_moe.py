@@ -1,0 +1,82 @@
+"""W4A4 SwiGLU MoE on CUDA GPUs (Triton), the numerics of `reference.moe`, with no host sync.
+
+Steps (all on the device; the grid sizes depend only on T, top-k and E):
+  1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
+                BLOCK_M-row tiles, each tile inside one expert (`moe_schedule`)
+  2. quantize   x once per token (T rows, not T*k): the per-token amax and scales are computed in
+                the same pass that writes the codes; the grouped GEMM gathers codes by token index,
+                so no permuted copy of x is ever written
+  3. GEMM 1     grouped packed W4A4 GEMM over w13 with the SwiGLU fused in the epilogue
+                (gate and up rows of one tile are accumulated by the same program) -> act [P, I]
+  4. quantize   act per row (one pass over act: amax, scales, codes)
+  5. GEMM 2     grouped packed W4A4 GEMM over w2, the router weight fused in the epilogue -> y [P, H]
+  6. combine    out[t] = sum of y over the token's k pairs (fp32), cast to x.dtype
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_gemm, triton_quant
+from .format import NVFP4Tensor
+
+
+def moe_block_m(pairs: int, num_experts: int) -> int:
+    """Rows per grouped-GEMM tile from the mean rows per expert."""
+    mean = pairs / num_experts
+    return 16 if mean <= 16 else (32 if mean <= 32 else 64)
+
+
+def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Device-side grouping of the P = T*k (token, slot) pairs by expert.
+
+    Returns (order int64 [P]: pair ids sorted by expert, stable; tile_expert, tile_start, tile_end
+    int32 [P // block_m + E]: expert and sorted-row range of each tile; unused tiles have an empty
+    range). No host synchronization.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    p = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    t = torch.arange(p // block_m + num_experts, device=flat.device)
+    te = torch.searchsorted(tile_ends, t, right=True)
+    valid = te < num_experts
+    e = te.clamp(max=num_experts - 1)
+    start = starts[e] + (t - (tile_ends[e] - tiles[e])) * block_m
+    tile_start = torch.where(valid, start, 0).to(torch.int32)
+    tile_end = torch.where(valid, ends[e], 0).to(torch.int32)
+    return order, e.to(torch.int32), tile_start, tile_end
+
+
+def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor) -> torch.Tensor:
+    """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
+    or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
+    Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
+    if w13.codes.dim() != 3 or w2.codes.dim() != 3:
+        raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    if w13.shape[2] != h or tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    k = topk_ids.shape[1]
+    p = t * k
+    bm = moe_block_m(p, e)
+    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
+    schedule = (tile_expert, tile_start, tile_end)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3)
+    a = triton_quant.quantize_per_token(x)
+    token = (order // k).to(torch.int32)
+    act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
+    triton_gemm.launch_w4a4(a, w13, act, a_index=token, schedule=schedule, swiglu=True, config=cfg)
+    a2 = triton_quant.quantize_per_token(act)
+    y = torch.empty((p, h), dtype=torch.float32, device=x.device)
+    row_weight = topk_weights.reshape(-1)[order].float()
+    triton_gemm.launch_w4a4(a2, w2, y, schedule=schedule, row_weight=row_weight, config=cfg)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(p, device=x.device)
+    return y[pos].view(t, k, h).sum(1).to(x.dtype)

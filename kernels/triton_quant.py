@@ -1,0 +1,307 @@
+"""Fused NVFP4 quantization kernels (Triton; CUDA, written for Hopper sm_90), bit-identical to
+`kernels.reference`.
+
+Import this module only where triton is installed (dispatch imports it lazily). One tile helper
+(`_quantize_tile`) holds the float operations of the spec, in the spec's order; the kernels around
+it differ only in where amax and S_enc come from and where codes and scales go:
+
+  per-token activations  one pass: each program holds whole rows in registers, computes the row
+                         amax, S_enc = 2688 / amax, the 1x16 block scales, the codes, and writes
+                         packed codes, E4M3 scales (linear or 128x4 swizzled) and S_dec per row
+  per-tensor activations the same kernel with S_enc given (from max|x| over the tensor)
+  weights                S_enc per tensor or per expert given (from max|w|, a torch reduction that
+                         reads w once), 1x16 or 16x16 block amax, tiles of 16 rows x BLOCK_K
+
+Divisions use `tl.div_rn` (IEEE round-to-nearest, as torch), E4M3 rounding is the hardware's
+round-to-nearest-even conversion; no fused multiply-adds occur on the quantization path.
+GPU quantization does not check for NaN/Inf in activations (that would need a host sync per call);
+weights are checked (one reduction and one sync per tensor) unless `check_finite=False`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
+
+
+class SwizzledNVFP4(NamedTuple):
+    """NVFP4 rows with block scales in the 128x4 swizzled layout (`reference.swizzle_scales_128x4`).
+
+    codes         uint8 [..., M, K/2]
+    block_scales  float8_e4m3fn [..., roundup(M, 128), roundup(K/16, 4)], zero padded
+    global_scale  float32, decode direction, as in NVFP4Tensor
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    global_scale: torch.Tensor
+
+
+class ExactBF16Rows(NamedTuple):
+    """Per-token quantized rows in dense form: `values` = e2m1(q) * float(s) (exact in BF16,
+    [M, K]) and `global_scale` = S_dec per row (float32 [M]); dequantized x' = values * S_dec."""
+
+    values: torch.Tensor
+    global_scale: torch.Tensor
+
+
+@triton.jit
+def _quantize_tile(x, bamax, s_enc):
+    """The spec's block quantizer on one tile.
+
+    x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
+    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], codes uint8
+    [R, NB, 16] unpacked).
+    """
+    scale = s_enc[:, None] * (bamax * 0.1666666716337204)
+    scale = tl.clamp(scale, -448.0, 448.0).to(tl.float8e4nv)
+    s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
+    dec = scale.to(tl.float32) * s_dec[:, None]
+    inv = tl.where(dec == 0.0, 0.0, tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), 3.4028234663852886e38))
+    v = x * inv[:, :, None]
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+            + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
+            + (a > 5.0).to(tl.uint8))
+    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.uint8)
+    code = code | (sign << 3)
+    R: tl.constexpr = x.shape[0]
+    NB: tl.constexpr = x.shape[1]
+    lo, hi = tl.split(tl.reshape(code, (R, NB * 8, 2)))
+    return lo | (hi << 4), scale, code
+
+
+@triton.jit
+def _e2m1_value(code):
+    """Unpacked codes uint8 -> fp32 E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 with sign bit 3)."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
+    """Offsets of block scales (rows [R, 1], blocks [1, NB]) in the linear or 128x4 swizzled layout."""
+    if SWIZZLE:
+        kp = (n_blocks + 3) // 4 * 4
+        return ((rows // 128) * (kp * 128) + (blocks // 4) * 512 + (rows % 32) * 16
+                + ((rows % 128) // 32) * 4 + blocks % 4)
+    else:
+        return rows * n_blocks + blocks
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, stride_xm,                      # input [M, K] float, row stride
+    s_enc_ptr,                             # fp32 [1] S_enc given (HAS_S_ENC), else unused
+    codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M]
+    deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
+    M, K,
+    ROWS: tl.constexpr, NB_PAD: tl.constexpr,
+    HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)                                   # [R]
+    blocks = tl.arange(0, NB_PAD)                                            # [NB]
+    cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]      # [1, NB, 16]
+    rmask = rows < M
+    mask = rmask[:, None, None] & (cols < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
+    if HAS_S_ENC:
+        s_enc = tl.load(s_enc_ptr + rows * 0)
+    else:
+        amax = tl.max(bamax, axis=1)                                         # [R]
+        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
+        s_enc = tl.where(amax == 0.0, 1.0, s_enc)
+        tl.store(gs_ptr + rows, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=rmask)
+    packed, scale, code = _quantize_tile(x, bamax, s_enc)
+    n_blocks = K // 16
+    if WRITE_CODES:
+        bytes_ = tl.arange(0, NB_PAD * 8)
+        tl.store(codes_ptr + rows64[:, None] * (K // 2) + bytes_[None, :], packed,
+                 mask=rmask[:, None] & (bytes_[None, :] < K // 2))
+        sc_off = _scale_offsets(rows64[:, None], blocks[None, :], n_blocks, SWIZZLE)
+        tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & (blocks[None, :] < n_blocks))
+    if WRITE_DEQ:
+        deq = _e2m1_value(code) * scale.to(tl.float32)[:, :, None]
+        tl.store(deq_ptr + rows64[:, None, None] * K + cols, deq.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _weight_quant_kernel(
+    w_ptr,                                  # input [E, N, K] float, contiguous
+    s_enc_ptr, stride_s_enc,                # fp32 S_enc per expert (stride 0: one per tensor)
+    codes_ptr, scales_ptr,                  # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]
+    N, K,
+    BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
+):
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * 16 + tl.arange(0, 16)                           # [16] rows of this expert
+    blocks = tl.program_id(2) * BLOCK_KB + tl.arange(0, BLOCK_KB)            # [NB]
+    n_blocks = K // 16
+    cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    rmask = rows < N
+    bmask = blocks < n_blocks
+    mask = rmask[:, None, None] & (cols < K)
+    grow = e.to(tl.int64) * N + rows                                         # global row
+    x = tl.load(w_ptr + grow[:, None, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
+    bamax = tl.max(tl.abs(x), axis=2)                                        # [16, NB]
+    if TWO_D:
+        bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
+    s_enc = tl.load(s_enc_ptr + e * stride_s_enc + rows * 0)
+    packed, scale, code = _quantize_tile(x, bamax, s_enc)
+    bytes_ = tl.program_id(2) * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
+    tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
+             mask=rmask[:, None] & (bytes_[None, :] < K // 2))
+    if SWIZZLE:
+        n_pad = (N + 127) // 128 * 128
+        k_pad = (n_blocks + 3) // 4 * 4
+        base = e.to(tl.int64) * n_pad * k_pad
+        sc_off = base + _scale_offsets(rows[:, None].to(tl.int64), blocks[None, :], n_blocks, True)
+    else:
+        sc_off = grow[:, None] * n_blocks + blocks[None, :]
+    tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & bmask[None, :])
+
+
+def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x [..., K] float on CUDA -> a 2D view/copy [M, K] with unit column stride."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name}: expected float32/bfloat16/float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"{name}: last dim K={x.shape[-1] if x.dim() else None} must be a multiple of {BLOCK}")
+    if not x.is_cuda:
+        raise ValueError(f"{name}: the Triton kernels need a CUDA tensor, got device {x.device}")
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool):
+    m, k = x2.shape
+    nb_pad = triton.next_power_of_2(k // BLOCK)
+    rows = max(1, min(16, 4096 // (nb_pad * BLOCK)))
+    dev = x2.device
+    out_codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev) if codes else None
+    if swizzle:
+        mp, kp = -(-m // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-(k // BLOCK) // SWIZZLE_COLS) * SWIZZLE_COLS
+        scales = torch.zeros((mp, kp), dtype=torch.float8_e4m3fn, device=dev)
+    else:
+        scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
+    gs = torch.empty((m,), dtype=torch.float32, device=dev)
+    out_deq = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if deq else None
+    if m:
+        _act_quant_kernel[(triton.cdiv(m, rows),)](
+            x2, x2.stride(0), s_enc, out_codes, scales, gs, out_deq, m, k,
+            ROWS=rows, NB_PAD=nb_pad, HAS_S_ENC=s_enc is not None, SWIZZLE=swizzle,
+            WRITE_CODES=codes, WRITE_DEQ=deq, num_warps=4 if rows * nb_pad * BLOCK <= 2048 else 8)
+    return out_codes, scales, gs, out_deq
+
+
+def quantize_per_token(x: torch.Tensor) -> NVFP4Tensor:
+    """Per-token NVFP4 of x [..., K] (CUDA, float): codes [..., K/2], scales [..., K/16] (linear),
+    global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`."""
+    x2 = _check_rows(x, "x")
+    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=False, codes=True, deq=False)
+    lead = x.shape[:-1]
+    return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(lead))
+
+
+def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
+    """Per-token NVFP4 of x [M, K] with 128x4 swizzled block scales (see SwizzledNVFP4)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K] for swizzled scales, got shape {tuple(x.shape)}")
+    x2 = _check_rows(x, "x")
+    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=True, codes=True, deq=False)
+    return SwizzledNVFP4(codes, scales, gs)
+
+
+def quantize_per_token_exact_bf16(x: torch.Tensor) -> ExactBF16Rows:
+    """Per-token quantization of x [M, K] written as exact BF16 values e2m1(q)*s plus S_dec [M]:
+    the operand of the large-M path (a BF16 tensor-core GEMM computes the same products)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    x2 = _check_rows(x, "x")
+    _, _, gs, deq = _act_launch(x2, s_enc=None, swizzle=False, codes=False, deq=True)
+    return ExactBF16Rows(deq, gs)
+
+
+def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Per-tensor NVFP4 of x [..., K] (one S_dec, shape []); bit-identical to
+    `reference.quantize_per_tensor`. amax: optional fp32 scalar instead of max|x|."""
+    x2 = _check_rows(x, "x")
+    amax = torch.linalg.vector_norm(x2, ord=float("inf")) if amax is None else amax.reshape(())
+    s_enc = reference.encode_scale_from_amax(amax).reshape(1)
+    codes, scales, _, _ = _act_launch(x2, s_enc=s_enc, swizzle=False, codes=True, deq=False)
+    lead = x.shape[:-1]
+    return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), (1.0 / s_enc).reshape(()))
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """max|w| as fp32: [] for a weight [N, K], [E] for stacked experts [E, N, K]. One read of w,
+    no temporary; NaN and Inf propagate (so `torch.isfinite(amax)` checks the whole weight)."""
+    return torch.linalg.vector_norm(w, ord=float("inf"), dim=(-2, -1)).float()
+
+
+def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, check_finite: bool,
+                   swizzle: bool):
+    if w.dim() not in (2, 3):
+        raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
+    if recipe not in ("1d", "2d"):
+        raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    _check_rows(w, "weight")
+    w3 = (w if w.dim() == 3 else w[None]).contiguous()
+    e, n, k = w3.shape
+    if check_finite:
+        full = weight_amax(w)
+        if not bool(torch.isfinite(full).all()):
+            raise ValueError("weight: contains NaN or Inf; NVFP4 quantization needs finite input")
+        amax = full if amax is None else amax
+    elif amax is None:
+        amax = weight_amax(w)
+    s_enc = reference.encode_scale_from_amax(amax.to(w.device)).contiguous()
+    if s_enc.numel() not in (1, e):
+        raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
+    codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.device)
+    nb = k // BLOCK
+    if swizzle:
+        npad, kpad = -(-n // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-nb // SWIZZLE_COLS) * SWIZZLE_COLS
+        scales = torch.zeros((e, npad, kpad), dtype=torch.float8_e4m3fn, device=w.device)
+    else:
+        scales = torch.empty((e, n, nb), dtype=torch.float8_e4m3fn, device=w.device)
+    block_kb = min(32, triton.next_power_of_2(nb))
+    if w3.numel():
+        _weight_quant_kernel[(e, triton.cdiv(n, 16), triton.cdiv(nb, block_kb))](
+            w3, s_enc, 0 if s_enc.numel() == 1 else 1, codes, scales, n, k,
+            BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, num_warps=8)
+    if w.dim() == 2:
+        codes, scales = codes[0], scales[0]
+    return codes, scales, (1.0 / s_enc).reshape(amax.shape)
+
+
+def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
+                    check_finite: bool = True) -> NVFP4Tensor:
+    """Quantize a weight [N, K] (global_scale []) or experts [E, N, K] (global_scale [E]) on CUDA;
+    bit-identical to `reference.quantize_weight`.
+
+    recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles). amax: optional fp32 [] or [E] (e.g. the
+    learner's). check_finite: raise on NaN/Inf (one extra read of w when amax is given, one host
+    sync); the converter's fast path passes False after checking amax itself.
+    """
+    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False)
+    return NVFP4Tensor(codes, scales, gs)
+
+
+def quantize_weight_swizzled(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
+                             check_finite: bool = True) -> SwizzledNVFP4:
+    """As `quantize_weight`, with block scales in the 128x4 swizzled layout per expert:
+    [roundup(N,128), roundup(K/16,4)] (or [E, ...])."""
+    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=True)
+    return SwizzledNVFP4(codes, scales, gs)

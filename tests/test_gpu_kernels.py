@@ -1,0 +1,193 @@
+"""GPU kernels against the executable spec (`kernels.reference`), on the H200 (skipped without CUDA).
+
+Quantization must be bit-identical (codes, scales, global scales; atol = rtol = 0). GEMMs may
+differ from the reference only by the order of FP32 additions; MoE additionally re-quantizes its
+BF16 SwiGLU output, where a 1-ulp difference can move a code, so it is checked by relative error.
+Run: `python3 -m pytest -q -m gpu tests/test_gpu_kernels.py` (README "GPU tests and benchmarks").
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch, reference
+from kernels.format import NVFP4Tensor
+
+pytestmark = pytest.mark.gpu
+
+M_SIZES = (1, 3, 100, 200, 384, 4096)
+K_SIZES = (16, 48, 2048, 4112, 7168)
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """The Triton modules (imported only on a GPU machine)."""
+    from kernels import triton_gemm, triton_moe, triton_quant
+    return triton_quant, triton_gemm, triton_moe
+
+
+def _activations(m: int, k: int, *, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Rows with magnitudes over many decades, a zero block, an all-zero row, ties and extremes."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    span = 6 if dtype == torch.float16 else 20
+    x = torch.randn(m, k, device="cuda", generator=g)
+    x = x * torch.exp2(torch.randint(-span, span, (m, 1), device="cuda", generator=g).float())
+    x[:, :16] = 0.0
+    if m > 2 and k >= 32:
+        x[1] = 0.0
+        x[2, 16:32] = torch.tensor([6.0, -6.0, 0.25, -0.25, 0.75, 2.5, 5.0, -5.0, 1.25, 1.75, 3.5, 448.0,
+                                    -448.0, 1e-30, -0.0, 3.0], device="cuda")
+    return x.to(dtype)
+
+
+def _assert_same(got: NVFP4Tensor, want: NVFP4Tensor) -> None:
+    assert torch.equal(got.codes, want.codes), f"codes differ at {(got.codes != want.codes).nonzero()[:5].tolist()}"
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), "block scales differ"
+    assert torch.equal(got.global_scale, want.global_scale), "global scales differ"
+
+
+@pytest.mark.parametrize("m", M_SIZES)
+@pytest.mark.parametrize("k", K_SIZES)
+def test_per_token_quantization_is_bit_exact(tk, m, k):
+    tq = tk[0]
+    x = _activations(m, k, seed=m * 131 + k)
+    want = reference.quantize_per_token(x)
+    _assert_same(tq.quantize_per_token(x), want)
+    sw = tq.quantize_per_token_swizzled(x)
+    assert torch.equal(sw.codes, want.codes)
+    assert torch.equal(sw.block_scales.view(torch.uint8),
+                       reference.swizzle_scales_128x4(want.block_scales).view(torch.uint8))
+    assert torch.equal(sw.global_scale, want.global_scale)
+    exact = tq.quantize_per_token_exact_bf16(x)
+    assert torch.equal(exact.values.float(), reference.dequantize_unscaled(want))
+    assert torch.equal(exact.global_scale, want.global_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_token_other_dtypes_and_strided_rows(tk, dtype):
+    tq = tk[0]
+    wide = _activations(200, 2048 + 64, seed=7, dtype=dtype)
+    x = wide[:, 32:2048 + 32]                           # row stride != K
+    _assert_same(tq.quantize_per_token(x), reference.quantize_per_token(x))
+    x3 = _activations(24, 512, seed=8, dtype=dtype).reshape(2, 12, 512)
+    _assert_same(tq.quantize_per_token(x3), reference.quantize_per_token(x3))
+
+
+@pytest.mark.parametrize("m", (1, 100, 4096))
+def test_per_tensor_quantization_is_bit_exact(tk, m):
+    tq = tk[0]
+    x = _activations(m, 2048, seed=m)
+    _assert_same(tq.quantize_per_tensor(x), reference.quantize_per_tensor(x))
+    amax = torch.tensor(3.0, device="cuda")
+    _assert_same(tq.quantize_per_tensor(x, amax=amax), reference.quantize_per_tensor(x, amax=amax))
+
+
+@pytest.mark.parametrize("shape", [(100, 48), (384, 2048), (200, 7168), (4, 40, 64), (8, 768, 2048), (3, 2048, 768)])
+@pytest.mark.parametrize("recipe", ["1d", "2d"])
+def test_weight_quantization_is_bit_exact(tk, shape, recipe):
+    tq = tk[0]
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    w = (torch.randn(shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w[..., 0, :16] = 0.0
+    want = reference.quantize_weight(w, recipe=recipe)
+    _assert_same(tq.quantize_weight(w, recipe=recipe), want)
+    _assert_same(dispatch.quantize_weight_on(w, recipe=recipe), want)
+    amax = w.abs().float().amax(dim=(-2, -1)) * 2
+    _assert_same(tq.quantize_weight(w, recipe=recipe, amax=amax, check_finite=False),
+                 reference.quantize_weight(w, recipe=recipe, amax=amax))
+    sw = tq.quantize_weight_swizzled(w, recipe=recipe)
+    scales = want.block_scales if w.dim() == 3 else want.block_scales[None]
+    swz = torch.stack([reference.swizzle_scales_128x4(s) for s in scales])
+    assert torch.equal(sw.block_scales.view(torch.uint8), swz.view(torch.uint8).reshape(sw.block_scales.shape))
+    assert torch.equal(sw.codes, want.codes)
+
+
+def test_weight_quantization_rejects_non_finite(tk):
+    w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    w[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tk[0].quantize_weight(w)
+
+
+def _weight(n: int, k: int, *, seed: int, per_row: bool) -> NVFP4Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = reference.quantize_weight((torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
+    if per_row:
+        w = w.replace(global_scale=w.global_scale * (0.5 + torch.rand(n, device="cuda", generator=g)))
+    return w
+
+
+def _assert_fp32_reorder_close(got: torch.Tensor, a: NVFP4Tensor, w: NVFP4Tensor, want: torch.Tensor,
+                               bias: torch.Tensor) -> None:
+    """|got - want| within the bound of reordered FP32 sums: K * 2^-23 * (|a| @ |w|^T), plus one
+    rounding of the bias addition."""
+    mag = reference.dequantize(a).abs() @ reference.dequantize(w).abs().T
+    bound = a.shape[1] * 2.0 ** -23 * mag + 2.0 ** -22 * (want.abs() + bias.abs()) + 1e-37
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), f"max error/bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 4096), (3, 5120, 2048), (16, 384, 7168), (100, 200, 48), (384, 4096, 3072)])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_packed_gemm_matches_reference(tk, m, n, k, split_k):
+    tq, tg, _ = tk
+    x = _activations(m, k, seed=n + k)
+    a = tq.quantize_per_token(x)
+    w = _weight(n, k, seed=m, per_row=split_k == 4)
+    bias = torch.randn(n, device="cuda")
+    want = reference.nvfp4_gemm(a, w, bias=bias, out_dtype=torch.float32)
+    cfg = dict(tg.packed_config(m, n, k), SPLIT_K=split_k)
+    for _ in range(2):                                    # the second run checks the workspace was re-zeroed
+        out = torch.full((m, n), float("nan"), device="cuda")
+        tg.launch_w4a4(a, w, out, bias=bias, config=cfg)
+        _assert_fp32_reorder_close(out, a, w, want, bias)
+
+
+@pytest.mark.parametrize("m", M_SIZES)
+@pytest.mark.parametrize("path", ["packed", "bf16"])
+def test_linear_paths_match_reference(tk, m, path):
+    tg = tk[1]
+    n, k = 640, 2048
+    x = _activations(m, k, seed=m + 5)
+    x = x / x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    w = _weight(n, k, seed=3, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got = tg.linear(x, w, bias=bias, path=path)
+    want = reference.linear(x, w, bias=bias)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_dispatch_picks_triton_and_records_path(tk):
+    tg = tk[1]
+    assert dispatch.choose_backend(torch.device("cuda")).name == "triton_hopper"
+    w = _weight(256, 512, seed=1, per_row=False)
+    before = dict(tg.PATH_COUNTS)
+    for m in (4, 4096):
+        x = _activations(m, 512, seed=m)
+        torch.testing.assert_close(dispatch.linear(x, w).float(), reference.linear(x, w).float(), rtol=2 ** -7, atol=1e-3)
+    assert tg.PATH_COUNTS["packed"] == before.get("packed", 0) + 1
+    assert tg.PATH_COUNTS["bf16"] == before.get("bf16", 0) + 1
+    x = _activations(8, 512, seed=2)
+    torch.testing.assert_close(dispatch.linear(x, w, scaling="per_tensor").float(),
+                               reference.linear(x, w, scaling="per_tensor").float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 700])
+@pytest.mark.parametrize("per_row_scale", [False, True])
+def test_moe_matches_reference(tk, tokens, per_row_scale):
+    experts, hidden, inter, top_k = 16, 256, 128, 4
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    if per_row_scale:
+        w13 = w13.replace(global_scale=w13.global_scale[:, None] * (0.5 + torch.rand(experts, 2 * inter, device="cuda", generator=g)))
+    logits = torch.randn(tokens, experts, device="cuda", generator=g)
+    topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), top_k)
+    want = reference.moe(x, w13, w2, topk_w, topk_ids).float()
+    got = dispatch.moe(x, w13, w2, topk_w, topk_ids).float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 1e-2, f"relative error {rel:.3g}"
+    close = ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-2 * want.abs().max()).float().mean().item()
+    assert close > 0.99, f"only {close:.4f} of the outputs within tolerance"
