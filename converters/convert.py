@@ -124,10 +124,13 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+
+
 def _popcount_xor(a: torch.Tensor, b: torch.Tensor) -> int:
     """Number of differing bits between two tensors of equal shape and byte size."""
     x = a.reshape(-1).contiguous().view(torch.uint8) ^ b.reshape(-1).contiguous().view(torch.uint8)
-    return int(sum(((x >> i) & 1).sum().item() for i in range(8)))
+    return int(_POPCOUNT[x.long()].sum())
 
 
 class _Converter:
@@ -253,8 +256,10 @@ def te_conversion_report(name: str, te: TENVFP4Weight, q: NVFP4Tensor) -> Tensor
         scale_bits = _popcount_xor(scales, te_scales)
     gs = reference.decode_scale_from_amax(te.amax.reshape(()).cpu())
     bits = _popcount_xor(q.codes.cpu(), te.data.cpu()) + scale_bits + _popcount_xor(q.global_scale.cpu(), gs)
-    before = NVFP4Tensor(te.data.cpu(), te_scales.contiguous(), gs)
-    diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
+    diff = 0.0                   # identical bytes decode identically; decode only when they differ
+    if bits:
+        before = NVFP4Tensor(te.data.cpu(), te_scales.contiguous(), gs)
+        diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
     return TensorReport(name, (m, k), "te", conv_max_abs=diff, conv_bits_changed=bits)
 
 
