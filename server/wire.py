@@ -3,8 +3,10 @@
 A frame is
     magic   4 bytes   b"NVF1"
     hlen    uint32 little-endian, length of the header (<= MAX_HEADER_BYTES)
+    hcrc    uint32 little-endian, zlib.crc32 of the header bytes
     header  hlen bytes of UTF-8 JSON: TensorEntry fields (name, layout, dtype, shape) + nbytes + crc32
-    payload nbytes raw little-endian bytes: the entry's parts (`parts`) back to back, C order
+    payload nbytes raw little-endian bytes: the entry's parts (`parts`) back to back, C order;
+            crc32 (in the header) is zlib.crc32 of the payload
 A body is frames back to back; it ends after a complete frame. The parser holds at most one frame.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pydantic import ValidationError
 from .protocol import TensorEntry
 
 MAGIC = b"NVF1"
-PREFIX = struct.Struct("<4sI")
+PREFIX = struct.Struct("<4sII")
 MAX_HEADER_BYTES = 64 * 1024
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -52,14 +54,15 @@ class Part:
 
 
 def parts(entry: TensorEntry) -> list[Part]:
-    """The checkpoint tensors a logical entry carries, in payload order."""
+    """The checkpoint tensors a logical entry carries, in payload order (nvfp4: P.weight_scale_2
+    float32 [], P.weight uint8 [N, K/2], P.weight_scale float8_e4m3fn [N, K/16])."""
     if entry.layout == "dense":
         return [Part(entry.name, entry.dtype, tuple(entry.shape))]
     n, k = entry.shape
     p = entry.name.removesuffix(".weight")
-    return [Part(f"{p}.weight", "uint8", (n, k // 2)),
-            Part(f"{p}.weight_scale", "float8_e4m3fn", (n, k // 16)),
-            Part(f"{p}.weight_scale_2", "float32", ())]
+    return [Part(f"{p}.weight_scale_2", "float32", ()),          # first: keeps the float32 aligned
+            Part(f"{p}.weight", "uint8", (n, k // 2)),
+            Part(f"{p}.weight_scale", "float8_e4m3fn", (n, k // 16))]
 
 
 def payload_nbytes(entry: TensorEntry) -> int:
@@ -105,7 +108,7 @@ def encode_frame(entry: TensorEntry, tensors: Mapping[str, torch.Tensor]) -> lis
         crc = zlib.crc32(b, crc)
     header = json.dumps({**entry.model_dump(), "nbytes": sum(b.nbytes for b in payload), "crc32": crc},
                         separators=(",", ":")).encode()
-    return [PREFIX.pack(MAGIC, len(header)) + header, *payload]
+    return [PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header, *payload]
 
 
 def iter_entries(tensors: Mapping[str, torch.Tensor]) -> Iterator[TensorEntry]:
@@ -160,8 +163,8 @@ def decode_payload(entry: TensorEntry, buf: bytearray) -> dict[str, torch.Tensor
         if t.dtype != torch.uint8 and not bool(torch.isfinite(t.float() if t.dtype == torch.float8_e4m3fn else t).all()):
             raise WireError(f"{p.name}: payload holds NaN or Inf", status=422)
         out[p.name] = t
-    if entry.layout == "nvfp4" and not float(out[parts(entry)[2].name]) > 0:
-        raise WireError(f"{parts(entry)[2].name}: global decode scale must be > 0", status=422)
+    if entry.layout == "nvfp4" and not float(out[parts(entry)[0].name]) > 0:
+        raise WireError(f"{parts(entry)[0].name}: global decode scale must be > 0", status=422)
     return out
 
 
@@ -209,17 +212,20 @@ class FrameParser:
             pos += take
             if len(self._head) < PREFIX.size:
                 return pos
-            magic, hlen = PREFIX.unpack(bytes(self._head))
+            magic, hlen, _ = PREFIX.unpack(bytes(self._head))
             if magic != MAGIC:
                 raise WireError(f"bad frame magic {magic!r} after {self.frames} complete frame(s)")
             if hlen > MAX_HEADER_BYTES:
                 raise WireError(f"frame header of {hlen} bytes exceeds {MAX_HEADER_BYTES}", status=413)
-        hlen = PREFIX.unpack(bytes(self._head[:PREFIX.size]))[1]
+        _, hlen, hcrc = PREFIX.unpack(bytes(self._head[:PREFIX.size]))
         take = min(PREFIX.size + hlen - len(self._head), len(view) - pos)
         self._head += view[pos:pos + take]
         pos += take
         if len(self._head) == PREFIX.size + hlen:
-            self._entry, nbytes, self._crc = _parse_header(bytes(self._head[PREFIX.size:]), self.max_frame_bytes)
+            header = bytes(self._head[PREFIX.size:])
+            if zlib.crc32(header) != hcrc:
+                raise WireError(f"frame {self.frames + 1}: header checksum mismatch")
+            self._entry, nbytes, self._crc = _parse_header(header, self.max_frame_bytes)
             self._payload, self._filled = bytearray(nbytes), 0
         return pos
 

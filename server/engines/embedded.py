@@ -256,6 +256,9 @@ class EmbeddedEngine(Engine):
         return self._envelope("text_completion", choice, len(prompt_ids), len(ids))
 
     def _chat(self, body: dict) -> dict:
+        if self.tokenizer.chat_template is None:
+            raise EngineError(f"{self.model_id}: the tokenizer has no chat template; use /v1/completions",
+                              status=400)
         prompt_ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
         if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]

@@ -1,0 +1,78 @@
+"""Child processes on 127.0.0.1: start one, wait until its /health answers, stop it.
+
+Used by the vLLM adapter (the vLLM OpenAI server), the demo, the benchmark and the tests (the sidecar).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChildServer:
+    """`cmd` started in its own process group, output to `log`; `url` is ready once /health is 200."""
+
+    def __init__(self, cmd: list[str], *, url: str, log: str | Path, env: dict[str, str] | None = None,
+                 timeout_s: float = 600.0):
+        self.cmd, self.url, self.log, self.timeout_s = cmd, url, Path(log), timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ChildServer":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[:4]} exited with {self.proc.returncode} before it was ready; "
+                                   f"last log lines:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.url} not healthy after {self.timeout_s:.0f} s; last log lines:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+    def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> None:
+        """Signal the process group (the server and its workers) and wait; SIGKILL if it lingers."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def sidecar(model: str | Path, *, engine: str, port: int | None = None, log: str | Path,
+            env: dict[str, str] | None = None, extra: list[str] = (), timeout_s: float = 900.0) -> ChildServer:
+    """A `nvfp4-sampler serve MODEL --engine ENGINE` child on 127.0.0.1 (not started)."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--engine", engine, "--port", str(port), *extra]
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s)

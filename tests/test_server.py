@@ -1,0 +1,318 @@
+"""The sidecar with the embedded engine, as a real process on 127.0.0.1: every route, the update
+transaction and its faults, consistency under concurrent reads, auth and bind rules."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from converters.convert import ConvertOptions, convert
+from server.client import SamplerClient, SidecarError
+from server.process import sidecar
+from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
+from server.settings import Settings
+from server.wire import encode_frame, iter_entries
+from tests.models import tiny_qwen3
+
+pytestmark = pytest.mark.timeout(600)
+TOKEN = "s3cret-token"
+SEQS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 12, 12, 64, 1]]
+PROMPT_LENS = [3, 2]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    a, b = tiny_qwen3(root / "a", seed=0), tiny_qwen3(root / "b", seed=1)
+    tok = AutoTokenizer.from_pretrained(a)
+    tok.chat_template = CHATML
+    tok.save_pretrained(a)
+    convert(b, root / "b_nvfp4", ConvertOptions(report=False))
+    return {"a": a, "b": b, "b_nvfp4": root / "b_nvfp4"}
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    env = {"NVFP4_SAMPLER_UPDATE_IDLE_TIMEOUT_S": "3"}
+    with sidecar(models["a"], engine="embedded", log=tmp_path_factory.mktemp("log") / "sidecar.log",
+                 env=env, extra=["--token", TOKEN]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(models, tmp_path_factory):
+    """Log-probs of SEQS from fresh servers loaded with the pushed weights (B as a sampler checkpoint)."""
+    out = {}
+    for key in ("a", "b_nvfp4"):
+        with sidecar(models[key], engine="embedded", log=tmp_path_factory.mktemp("log") / f"{key}.log") as srv:
+            with SamplerClient(srv.url) as c:
+                out[key] = [r.logprobs for r in c.logprobs(SEQS, PROMPT_LENS, top_k=3).results]
+    return out
+
+
+@pytest.fixture()
+def client(server):
+    with SamplerClient(server.url, token=TOKEN, retries=0) as c:
+        yield c
+
+
+def _lp(c: SamplerClient):
+    r = c.logprobs(SEQS, PROMPT_LENS)
+    return r.weight_version, [x.logprobs for x in r.results]
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_read_routes(server, client, models):
+    h = client.health()
+    assert h["status"] == "ok" and h["engine"] == "embedded" and h["model"] == str(models["a"])
+    v = client.version()
+    assert v.engine == "embedded" and v.update is None and v.weight_version == h["weight_version"]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "nvfp4_sampler_weight_version" in metrics and "nvfp4_sampler_queue_depth" in metrics
+    models_list = httpx.get(f"{server.url}/v1/models").json()
+    assert models_list["data"][0]["id"] == str(models["a"])
+
+
+def test_logprobs_json_binary_topk(client):
+    js = client.logprobs(SEQS, PROMPT_LENS, top_k=4)
+    bi = client.logprobs(SEQS, PROMPT_LENS, top_k=4, format="binary")
+    assert [len(r.logprobs) for r in js.results] == [5, 3]
+    for a, b in zip(js.results, bi.results):
+        assert a.top_ids == b.top_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0, rtol=1e-6)
+        lp = torch.tensor(a.top_logprobs)
+        assert (lp[:, :-1] >= lp[:, 1:]).all() and (lp <= 0).all()
+        # the realised token's log-prob can never beat the best one
+        assert all(x <= top[0] + 1e-6 for x, top in zip(a.logprobs, a.top_logprobs))
+    # batching does not change a sequence's result (per-token activation scales)
+    alone = client.logprobs([SEQS[1]], [PROMPT_LENS[1]]).results[0].logprobs
+    assert alone == js.results[1].logprobs
+
+
+def test_logprobs_bad_requests(server):
+    r = httpx.post(f"{server.url}/v1/logprobs", json={"sequences": [[1, 2]], "prompt_lens": [2]})
+    assert r.status_code == 422 and "prompt_len must be in [1, 1]" in r.json()["detail"]
+    r = httpx.post(f"{server.url}/v1/logprobs", json={"sequences": [[1, 99999]], "prompt_lens": [1]})
+    assert r.status_code == 422 and "token id >= vocab size 512" in r.json()["detail"]
+
+
+def test_openai_client_chat_and_completions(server, models):
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    raw = oa.chat.completions.with_raw_response.create(
+        model=str(models["a"]), messages=[{"role": "user", "content": "The capital of France"}],
+        max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    chat = raw.parse()
+    assert raw.headers[WEIGHT_VERSION_HEADER].isdigit()
+    content = chat.choices[0].logprobs.content
+    assert 1 <= len(content) <= 6 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= t.top_logprobs[0].logprob + 1e-6 for t in content)
+    comp = oa.completions.create(model=str(models["a"]), prompt="The quick brown", max_tokens=5, temperature=0,
+                                 logprobs=1)
+    again = oa.completions.create(model=str(models["a"]), prompt="The quick brown", max_tokens=5, temperature=0)
+    assert comp.choices[0].text == again.choices[0].text            # greedy is deterministic
+    assert len(comp.choices[0].logprobs.token_logprobs) == 5
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_auth_required_for_mutations(server, models):
+    manifest = [e.model_dump() for e in iter_entries(_tensors(models["b"]))]
+    body = {"target_version": 1000, "manifest": manifest}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        r = httpx.post(f"{server.url}/v1/weights/updates", json=body, headers=headers)
+        assert r.status_code == 401 and "bearer token" in r.json()["detail"]
+    assert httpx.post(f"{server.url}/v1/weights/updates/x/commit").status_code == 401
+
+
+def test_bind_rules(models):
+    with pytest.raises(ValueError, match="refusing to bind 0.0.0.0: a non-loopback bind needs a token"):
+        Settings(model=str(models["a"]), engine="embedded", host="0.0.0.0")
+    assert Settings(model=str(models["a"]), engine="embedded", host="0.0.0.0", token="t").host == "0.0.0.0"
+    assert Settings(model=str(models["a"]), engine="embedded", host="::1").token is None
+    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(models["a"]), "--engine", "embedded",
+                        "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "a non-loopback bind needs a token" in p.stderr
+
+
+def test_push_equals_fresh_engine_and_faults_keep_old_version(client, models, reference_logprobs):
+    """Pushes of B (NVFP4 converted here, and BF16 quantized by the sampler) give exactly the log-probs
+    of a fresh engine loaded with B; then 60 broken bodies each leave that version serving."""
+    v0, lp0 = _lp(client)
+    assert lp0 == reference_logprobs["a"]
+    res = client.push(models["b"], layout="nvfp4", progress=False)
+    assert res.weight_version == v0 + 1
+    v1, lp1 = _lp(client)
+    assert v1 == v0 + 1 and lp1 == reference_logprobs["b_nvfp4"] and lp1 != lp0
+    res = client.push(models["b"], layout="bf16", progress=False)
+    v2, lp2 = _lp(client)
+    assert v2 == v0 + 2 and lp2 == reference_logprobs["b_nvfp4"]    # sampler-side = trainer-side quantization
+
+    # fault injection: truncate or corrupt the body at random offsets, >= 50 cases
+    a = _tensors(models["a"])
+    entries = list(iter_entries(a))
+    body = b"".join(bytes(b) for e in entries for b in encode_frame(e, a))
+    rng = random.Random(1234)
+    for case in range(60):
+        st = client.begin(v2 + 1, entries)
+        cut = rng.randrange(1, len(body))
+        if case % 2:
+            broken = body[:cut]
+        else:
+            broken = bytearray(body)
+            broken[cut] ^= rng.randrange(1, 256)
+            broken = bytes(broken)
+        r = httpx.put(f"{client.http.base_url}/v1/weights/updates/{st.update_id}/body", content=broken,
+                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": FRAMES_CONTENT_TYPE})
+        assert r.status_code in (400, 413, 422), (case, r.status_code, r.text)
+        detail = r.json()["detail"]
+        assert any(w in detail for w in ("truncated", "checksum", "header", "magic", "nbytes", "NaN", "manifest",
+                                         "scale", "exceeds")), detail
+        status = client.status(st.update_id)
+        assert status.missing, case
+        with pytest.raises(SidecarError, match="not received yet") as e:
+            client.commit(st.update_id)
+        assert e.value.status == 409
+        client.abort(st.update_id)
+        assert _lp(client) == (v2, lp2), case
+
+
+def test_resume_sends_only_missing(client, models, reference_logprobs):
+    """A body cut after some frames keeps them; the client re-sends only the missing ones."""
+    client.push(models["a"], layout="nvfp4", progress=False)            # start from A again
+    v, _ = _lp(client)
+    b = _tensors(models["b_nvfp4"])
+    entries = list(iter_entries(b))
+    st = client.begin(v + 1, entries)
+    first = [bytes(x) for e in entries[:10] for x in encode_frame(e, b)]
+    partial = b"".join(first) + bytes(encode_frame(entries[10], b)[0])[:7]
+    r = httpx.put(f"{client.http.base_url}/v1/weights/updates/{st.update_id}/body", content=partial,
+                  headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and "truncated inside frame 11" in r.json()["detail"]
+    st = client.status(st.update_id)
+    assert st.missing == [e.name for e in entries[10:]] and st.received == 10
+    st = client.send(st.update_id, [x for e in entries if e.name in st.missing for x in encode_frame(e, b)])
+    assert st.missing == []
+    assert client.commit(st.update_id).weight_version == v + 1
+    assert _lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def test_bad_updates_are_refused_with_named_problems(client, models):
+    v, lp = _lp(client)
+    b = _tensors(models["b"])
+    entries = list(iter_entries(b))
+    bad = entries[0].model_copy(update={"name": "model.layers.9.mlp.nope.weight"})
+    with pytest.raises(SidecarError, match="model.layers.9.mlp.nope.weight: unknown tensor name"):
+        client.begin(v + 1, [bad])
+    wrong = entries[1].model_copy(update={"shape": [3, 3]})
+    with pytest.raises(SidecarError, match=rf"{entries[1].name}: shape \[3, 3\] does not match"):
+        client.begin(v + 1, [wrong])
+    norm = next(e for e in entries if "norm" in e.name)
+    nv = norm.model_copy(update={"layout": "nvfp4", "dtype": "nvfp4", "name": "model.embed_tokens.weight",
+                                 "shape": [512, 128]})
+    with pytest.raises(SidecarError, match="model.embed_tokens.weight: this tensor is not quantized"):
+        client.begin(v + 1, [nv])
+    with pytest.raises(SidecarError, match="must be greater than the current version") as e:
+        client.begin(v, entries)
+    assert e.value.status == 409
+    st = client.begin(v + 1, entries)
+    with pytest.raises(SidecarError, match="is in progress") as e:
+        client.begin(v + 2, entries)
+    assert e.value.status == 409
+    # a frame not in the manifest, and NaN in a BF16 payload
+    other = {"lm_head.weight": b["lm_head.weight"]}
+    nan = dict(b)
+    nan["model.norm.weight"] = nan["model.norm.weight"].clone()
+    nan["model.norm.weight"][3] = float("inf")
+    norm_entry = next(e for e in entries if e.name == "model.norm.weight")
+    with pytest.raises(SidecarError, match="model.norm.weight: payload holds NaN or Inf") as e:
+        client.send(st.update_id, encode_frame(norm_entry, nan))
+    assert e.value.status == 422
+    client.abort(st.update_id)
+    st = client.begin(v + 1, [norm_entry])
+    with pytest.raises(SidecarError, match="lm_head.weight: not in the update's manifest"):
+        client.send(st.update_id, encode_frame(next(e for e in entries if e.name == "lm_head.weight"), other))
+    client.abort(st.update_id)
+    assert _lp(client) == (v, lp)
+
+
+def test_killed_client_leaves_old_version(client, models, server):
+    """A pushing process killed mid-body: old version serves; the stale update expires (3 s here)."""
+    v, lp = _lp(client)
+    script = (
+        "import time, sys, httpx\n"
+        "from safetensors.torch import load_file\n"
+        "from server.client import SamplerClient\n"
+        "from server.wire import iter_entries, encode_frame\n"
+        f"t = load_file({str(models['b'] / 'model.safetensors')!r})\n"
+        "entries = list(iter_entries(t))\n"
+        f"c = SamplerClient({server.url!r}, token={TOKEN!r})\n"
+        f"st = c.begin({v + 1}, entries)\n"
+        "print(st.update_id, flush=True)\n"
+        "def body():\n"
+        "    for i, e in enumerate(entries):\n"
+        "        yield from (bytes(b) for b in encode_frame(e, t))\n"
+        "        if i == 5: time.sleep(60)\n"
+        "c.send(st.update_id, body())\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    update_id = p.stdout.readline().strip()
+    deadline = time.monotonic() + 30
+    while client.status(update_id).received < 6 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.status(update_id).received == 6
+    p.kill()
+    p.wait()
+    assert _lp(client) == (v, lp)
+    entries = list(iter_entries(_tensors(models["b"])))
+    time.sleep(4)
+    st = client.begin(v + 1, entries)                   # the dead client's update expired
+    assert st.update_id != update_id and st.received == 0
+    client.abort(st.update_id)
+    assert _lp(client) == (v, lp)
+
+
+def test_concurrent_logprobs_during_updates_see_one_version(client, models):
+    """Readers hammer /v1/logprobs while two updates commit: every answer is exactly the log-probs of
+    the version it reports."""
+    expected = {}
+    v, lp = _lp(client)
+    expected[v] = lp
+    seen, errors, stop = [], [], threading.Event()
+
+    def reader():
+        with SamplerClient(client.http.base_url.__str__()) as c:
+            while not stop.is_set():
+                try:
+                    seen.append(_lp(c))
+                except Exception as e:  # noqa: BLE001 - collected and asserted below
+                    errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for src in ("b", "a"):
+            res = client.push(models[src], layout="nvfp4", progress=False)
+            expected[res.weight_version] = _lp(client)[1]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    versions = {s[0] for s in seen}
+    assert len(seen) >= 8 and len(versions) >= 2, (len(seen), versions)
+    for ver, got in seen:
+        assert got == expected[ver], ver
