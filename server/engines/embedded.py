@@ -1,4 +1,4 @@
-"""Embedded engine: a transformers model with NVFP4 linears (kernels.dispatch), in the sidecar process.
+"""Embedded engine: a transformers model made NVFP4 by `sampler_plugin.torch_modules`, in the sidecar.
 
 For machines without vLLM. Every model access runs on one worker thread, so generation, log-prob
 batches and weight updates never overlap. Log-prob requests queued while the worker is busy are
@@ -15,47 +15,32 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kernels import dispatch
-from kernels.format import NVFP4Tensor
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.policy import should_quantize
+from sampler_plugin import layers
+from sampler_plugin.torch_modules import quantize_model
 
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from .base import Engine, EngineError, checkpoint_specs, sampler_config
 
 
-class NVFP4Linear(torch.nn.Module):
-    """y [..., N] = x [..., K] @ W.T + b with W NVFP4 [N, K] and per-token NVFP4 activations."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: torch.Tensor | None, config: SamplerConfig):
-        super().__init__()
-        self.config = config
-        self.register_buffer("codes", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("block_scales", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn))
-        self.register_buffer("global_scale", torch.ones((), dtype=torch.float32))
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
-
-    def load(self, w: NVFP4Tensor) -> None:
-        self.codes.copy_(w.codes)
-        self.block_scales.copy_(w.block_scales)
-        self.global_scale.copy_(w.global_scale)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
-        return dispatch.linear(x, w, bias=self.bias, scaling=self.config.activation_scaling,
-                               backend=self.config.backend)
-
-
-def _quantize_modules(model: torch.nn.Module, config: SamplerConfig) -> dict[str, NVFP4Linear]:
-    """Swap every quantized nn.Linear (policy.should_quantize, K % 16 == 0) for an NVFP4Linear."""
-    swapped = {}
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and should_quantize(name, config):
-            parent, _, child = name.rpartition(".")
-            new = NVFP4Linear(mod.in_features, mod.out_features, bias=mod.bias, config=config)
-            setattr(model.get_submodule(parent) if parent else model, child, new)
-            swapped[name] = new
-    return swapped
+def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[str, layers.Target]:
+    """Checkpoint name -> layers.Target of a `quantize_model`-ed transformers model: NVFP4 linears and
+    each expert projection by module prefix, every other parameter by its full name."""
+    targets: dict[str, layers.Target] = {}
+    for name, kind in replaced.items():
+        mod = model.get_submodule(name)
+        if kind == "linear":
+            n, k = mod.codes.shape[0], mod.codes.shape[1] * 2
+            targets[name] = layers.Target(weight=mod.weight(), shard=layers.Shard(name, (n, k), slice(0, n)))
+            continue
+        w13, w2 = (layers.QuantizedWeight(*p) for p in (mod.w13, mod.w2))
+        experts, hidden, inter = w2.codes.shape[0], w2.codes.shape[1], w2.codes.shape[2] * 2
+        for e in range(experts):
+            for sid, shard in layers.expert_shards(name, e, hidden=hidden, inter=inter).items():
+                targets[shard.name] = layers.Target(weight=w2 if sid == "w2" else w13, shard=shard)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name.rpartition(".")[0] not in replaced and not name.startswith(tuple(f"{r}." for r in replaced)):
+            targets[name] = layers.Target(param=p.data)
+    return targets
 
 
 class EmbeddedEngine(Engine):
@@ -89,8 +74,7 @@ class EmbeddedEngine(Engine):
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-        self.qlinears = _quantize_modules(self.model, self.config)
-        self.params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        self.targets = _reload_targets(self.model, quantize_model(self.model, self.config))
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
             state |= load_file(f)
@@ -111,44 +95,12 @@ class EmbeddedEngine(Engine):
         return {"tensors": n, "seconds": time.perf_counter() - t0}
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Validate every checkpoint-named tensor, then write them all (nothing half-applied)."""
-        plan = []          # (callable, args)
-        for name, t in tensors.items():
-            module = name.rsplit(".", 1)[0]
-            if module in self.qlinears and name.endswith((".weight_scale", ".weight_scale_2")):
-                continue                                   # consumed with their P.weight
-            if module in self.qlinears and name.endswith(".weight"):
-                plan.append((self.qlinears[module].load, self._nvfp4_weight(module, t, tensors)))
-                continue
-            target = self.params.get(name)
-            if target is None:
-                raise EngineError(f"{name}: no such tensor in the model", status=422)
-            if tuple(target.shape) != tuple(t.shape) or not t.is_floating_point():
-                raise EngineError(f"{name}: got {t.dtype} {list(t.shape)}, model has {target.dtype} "
-                                  f"{list(target.shape)}", status=422)
-            plan.append((target.data.copy_, t))
-        with torch.no_grad():
-            for fn, arg in plan:
-                fn(arg)
-        return len(plan)
-
-    def _nvfp4_weight(self, module: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> NVFP4Tensor:
-        """P.weight as NVFP4: quantized from a float tensor, or the checkpoint triplet as it is."""
-        lin = self.qlinears[module]
-        n, k = lin.codes.shape[0], lin.codes.shape[1] * 2
-        if t.dtype == torch.uint8:
-            scales = (tensors.get(f"{module}.weight_scale"), tensors.get(f"{module}.weight_scale_2"))
-            if scales[0] is None or scales[1] is None:
-                raise EngineError(f"{module}.weight: uint8 codes without weight_scale / weight_scale_2", status=422)
-            w = NVFP4Tensor(t, scales[0], scales[1].reshape(()))
-        else:
-            if tuple(t.shape) != (n, k):
-                raise EngineError(f"{module}.weight: shape {list(t.shape)}, model has {[n, k]}", status=422)
-            w = dispatch.quantize_weight_on(t.to(torch.bfloat16), recipe=self.config.weight_recipe,
-                                            backend=self.config.backend)
-        if tuple(w.shape) != (n, k):
-            raise EngineError(f"{module}.weight: NVFP4 shape {list(w.shape)}, model has {[n, k]}", status=422)
-        return w
+        """Validate every checkpoint-named tensor, then write them all (layers.apply_update)."""
+        try:
+            with torch.no_grad():
+                return len(layers.apply_update(self.targets, tensors, config=self.config))
+        except ValueError as e:
+            raise EngineError(str(e), status=422) from e
 
     # ------------------------------------------------------------------ log-probs (batched)
     def queue_depth(self) -> int:
