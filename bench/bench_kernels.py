@@ -22,6 +22,7 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 from kernels import reference, triton_gemm, triton_moe, triton_quant
@@ -33,6 +34,11 @@ LINEAR_SHAPES = {          # name: (N, K)
 }
 MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 LAYERS_30B = 48
+ACT_SWEEP = [dict(elements=e, num_warps=w, persist_stages=p) for e, w, p in
+             [(2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (8192, 8, 0), (16384, 16, 0), (8192, 16, 0),
+              (4096, 4, 2), (8192, 8, 2)]]
+WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
+                [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
 DECODE_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=512), dict(num_warps=8, num_stages=4),
                 dict(block_n=128, block_k=512, num_warps=8), dict(min_programs=528, num_stages=4),
                 dict(block_n=32, block_k=512, num_stages=4)]
@@ -46,16 +52,29 @@ def eager_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
 def rows_bytes(m: int, k: int) -> int:
     """Bytes a per-token quantizer must move: BF16 in, codes + E4M3 scales + FP32 S_dec out."""
     return m * k * 2 + m * k // 2 + m * k // 16 + 4 * m
 
 
-def copy_ms(nbytes: int) -> float:
-    """A device copy moving nbytes in total (nbytes/2 read, nbytes/2 written)."""
-    src = torch.randn(max(nbytes // 4, 1), device="cuda").view(torch.uint8)[: nbytes // 2]
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + off, tl.load(src + off, mask=off < n), mask=off < n)
+
+
+def copy_ms(nbytes: int) -> dict:
+    """Device copies moving nbytes in total (nbytes/2 read, nbytes/2 written), three ways."""
+    n = max(nbytes // 8, 1)                                   # int32 elements each side
+    src = torch.randint(-2**31, 2**31 - 1, (n,), device="cuda", dtype=torch.int32)
     dst = torch.empty_like(src)
-    return graph_ms(lambda: dst.copy_(src))
+    return {"torch copy_ (graph)": graph_ms(lambda: dst.copy_(src)),
+            "torch copy_ (eager)": eager_ms(lambda: dst.copy_(src)),
+            "triton copy (graph)": graph_ms(lambda: _copy_kernel[(triton.cdiv(n, 8192),)](src, dst, n, BLOCK=8192, num_warps=8))}
 
 
 def copies(make, one_bytes: int):
@@ -64,24 +83,29 @@ def copies(make, one_bytes: int):
 
 
 def bench_copy(log) -> float:
-    n = 1 << 30
-    t = copy_ms(2 * n)
-    bw = 2 * n / t / 1e9
-    log("copy", dict(bytes=2 * n, ms=t, gbps=bw))
-    return bw
+    nbytes = 2 << 30
+    times = copy_ms(nbytes)
+    for how, t in times.items():
+        log("copy", dict(how=how, bytes=nbytes, ms=t, gbps=gbps(nbytes, t)))
+    return gbps(nbytes, min(times.values()))
 
 
 def bench_act_quant(log, peak_gbps: float, quick: bool) -> None:
     for k in (2048, 4096, 7168):
+        x = torch.randn(16384, k, device="cuda", dtype=torch.bfloat16)
+        sweep = {json.dumps(c): graph_ms(lambda c=c: triton_quant.quantize_per_token(x, config=c)) for c in ACT_SWEEP}
+        best = json.loads(min(sweep, key=sweep.get))
+        log("act_sweep", dict(k=k, m=16384, ms=sweep, best=best, default=triton_quant.ACT_CONFIG))
         for m in ((1, 16, 1024, 16384) if quick else (1, 16, 128, 1024, 4096, 16384)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             nbytes = rows_bytes(m, k)
             ours = graph_ms(lambda: triton_quant.quantize_per_token(x))
-            same = copy_ms(nbytes)
+            tuned = graph_ms(lambda: triton_quant.quantize_per_token(x, config=best))
+            same = min(copy_ms(nbytes).values())
             ref = eager_ms(lambda: reference.quantize_per_token(x)) if m * k <= (1 << 27) else None
-            log("act_quant", dict(m=m, k=k, bytes=nbytes, ours_ms=ours, copy_same_bytes_ms=same, ref_ms=ref,
-                                  gbps=nbytes / ours / 1e9, frac_peak_copy=nbytes / ours / 1e9 / peak_gbps,
-                                  frac_same_size_copy=same / ours))
+            log("act_quant", dict(m=m, k=k, bytes=nbytes, ours_ms=ours, tuned_ms=tuned, copy_same_bytes_ms=same, ref_ms=ref,
+                                  gbps=gbps(nbytes, ours), frac_peak_copy=gbps(nbytes, ours) / peak_gbps,
+                                  tuned_frac_peak_copy=gbps(nbytes, tuned) / peak_gbps, frac_same_size_copy=same / ours))
 
 
 def layer_30b(device) -> dict[str, torch.Tensor]:
@@ -98,23 +122,28 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
     in_bytes = sum(w.numel() * 2 for w in layer.values())
     out_bytes = sum(w.numel() // 2 + w.numel() // 16 for w in layer.values())
     nbytes = in_bytes + out_bytes
+    sweep = {json.dumps(c): graph_ms(lambda c=c: [triton_quant.quantize_weight(w, amax=amax[n], check_finite=False, config=c)
+                                                  for n, w in layer.items()]) for c in WEIGHT_SWEEP}
+    best = json.loads(min(sweep, key=sweep.get))
+    log("weight_sweep", dict(ms=sweep, best=best, default=triton_quant.WEIGHT_CONFIG))
     variants = {
         "1d, amax given (1 pass)": lambda: [triton_quant.quantize_weight(w, amax=amax[n], check_finite=False) for n, w in layer.items()],
+        "1d, amax given (1 pass), best swept config": lambda: [triton_quant.quantize_weight(w, amax=amax[n], check_finite=False, config=best) for n, w in layer.items()],
         "2d, amax given (1 pass)": lambda: [triton_quant.quantize_weight(w, recipe="2d", amax=amax[n], check_finite=False) for n, w in layer.items()],
         "1d, amax computed (2 passes)": lambda: [triton_quant.quantize_weight(w, amax=triton_quant.weight_amax(w), check_finite=False) for n, w in layer.items()],
     }
     for name, fn in variants.items():
         t = graph_ms(fn)
         log("weight_conversion", dict(variant=name, layer_bytes=nbytes, layer_ms=t, model_ms=t * LAYERS_30B,
-                                      model_gb=nbytes * LAYERS_30B / 1e9, gbps=nbytes / t / 1e9,
-                                      frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+                                      model_gb=nbytes * LAYERS_30B / 1e9, gbps=gbps(nbytes, t),
+                                      frac_peak_copy=gbps(nbytes, t) / peak_gbps))
     t = eager_ms(lambda: [triton_quant.quantize_weight(w) for w in layer.values()])
     log("weight_conversion", dict(variant="1d, checked API (amax + NaN check, 1 sync/tensor)", layer_bytes=nbytes,
-                                  layer_ms=t, model_ms=t * LAYERS_30B, gbps=nbytes / t / 1e9,
-                                  frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+                                  layer_ms=t, model_ms=t * LAYERS_30B, gbps=gbps(nbytes, t),
+                                  frac_peak_copy=gbps(nbytes, t) / peak_gbps))
     t = eager_ms(lambda: [reference.quantize_weight(w) for w in layer.values()])
     log("weight_conversion", dict(variant="torch-eager reference", layer_bytes=nbytes, layer_ms=t,
-                                  model_ms=t * LAYERS_30B, gbps=nbytes / t / 1e9, frac_peak_copy=nbytes / t / 1e9 / peak_gbps))
+                                  model_ms=t * LAYERS_30B, gbps=gbps(nbytes, t), frac_peak_copy=gbps(nbytes, t) / peak_gbps))
 
 
 def bench_linear(log, quick: bool) -> None:
@@ -202,12 +231,14 @@ def print_tables(records: list[dict], device: str) -> None:
     print(f"\n# {device}")
     by = lambda kind: [r for r in records if r["kind"] == kind]
     for r in by("copy"):
-        print(f"copy bandwidth: {r['gbps']:.0f} GB/s (bytes read + written)")
-    print("\nactivation quantization (per token)\n   M      K    ours us  GB/s  %peakcopy  %samesizecopy  ref us")
+        print(f"copy bandwidth ({r['how']}): {r['gbps']:.0f} GB/s (bytes read + written)")
+    for r in by("act_sweep") + by("weight_sweep"):
+        print(f"{r['kind']} {r.get('k', '')}: best {r['best']}")
+    print("\nactivation quantization (per token)\n     M      K   ours us   GB/s %peakcopy %tuned %samesizecopy  ref us")
     for r in by("act_quant"):
         ref = f"{r['ref_ms'] * 1e3:8.1f}" if r["ref_ms"] else "       -"
         print(f"{r['m']:6d} {r['k']:6d} {r['ours_ms'] * 1e3:9.2f} {r['gbps']:6.0f} {100 * r['frac_peak_copy']:9.1f}"
-              f" {100 * r['frac_same_size_copy']:13.1f} {ref}")
+              f" {100 * r['tuned_frac_peak_copy']:6.1f} {100 * r['frac_same_size_copy']:13.1f} {ref}")
     print("\nweight conversion, Qwen3-30B-A3B layer x48")
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
@@ -221,6 +252,8 @@ def print_tables(records: list[dict], device: str) -> None:
         base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
         ref = f"{r['ref_ms'] * 1e3:8.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f} {base} {ref}")
+    for r in by("error"):
+        print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")
     for r in by("memory"):
         print(f"  {r['shape']:20s} {r['ratio']:.4f}")
@@ -248,14 +281,16 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     start = time.time()
     peak = bench_copy(log)
-    if "act" in only:
-        bench_act_quant(log, peak, args.quick)
-    if "weight" in only:
-        bench_weight_conversion(log, peak)
-    if "linear" in only:
-        bench_linear(log, args.quick)
-    if "moe" in only:
-        bench_moe(log, args.quick)
+    sections = {"act": lambda: bench_act_quant(log, peak, args.quick), "weight": lambda: bench_weight_conversion(log, peak),
+                "linear": lambda: bench_linear(log, args.quick), "moe": lambda: bench_moe(log, args.quick)}
+    for name, run in sections.items():
+        if name not in only:
+            continue
+        try:
+            run()
+        except Exception as err:             # keep the other sections' numbers; the error is recorded
+            log("error", dict(section=name, error=f"{type(err).__name__}: {str(err)[-2000:]}"))
+        torch.cuda.empty_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=device, seconds=time.time() - start, records=records), f, indent=1)
     print_tables(records, device)

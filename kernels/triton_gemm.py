@@ -39,7 +39,7 @@ PATH_COUNTS: collections.Counter = collections.Counter()   # path name -> calls 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
-_DECODE_LO = """{
+_DECODE_LO = tl.constexpr("""{
 .reg .b32 sel, t, w, tlo, thi, z;
 mov.b32 tlo, 0x3E3C3800;
 mov.b32 thi, 0x46444240;
@@ -58,8 +58,8 @@ prmt.b32 w, $2, z, 0x3424;
 shl.b32 w, w, 4;
 and.b32 w, w, 0x80008000;
 or.b32 $1, t, w;
-}"""
-_DECODE_HI = """{
+}""")
+_DECODE_HI = tl.constexpr("""{
 .reg .b32 sel, t, w, tlo, thi, z;
 mov.b32 tlo, 0x3E3C3800;
 mov.b32 thi, 0x46444240;
@@ -75,7 +75,7 @@ prmt.b32 t, tlo, thi, sel;
 prmt.b32 w, $2, z, 0x3424;
 and.b32 w, w, 0x80008000;
 or.b32 $1, t, w;
-}"""
+}""")
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _gs_strides(gs: torch.Tensor, rows_dim: int) -> tuple[int, int]:
 def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: torch.Tensor | None = None,
                 schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 row_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                swiglu: bool = False, config: dict | None = None) -> torch.Tensor:
+                swiglu: bool = False, config: dict | None = None, use_asm: bool = not _INTERPRET) -> torch.Tensor:
     """out [R, N] = epilogue(deq(a)[rows] @ deq(w[e]).T) with the packed kernel.
 
     a: [Ma, K] per-token (global_scale [Ma]) or per-tensor ([]) NVFP4. w: [N, K] or experts
@@ -286,6 +286,7 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
     each output row (else row r). schedule (tile_expert, tile_start, tile_end) int32 [tiles]:
     grouped tiles of BLOCK_M rows of one expert each (see triton_moe). swiglu: w rows are
     [gate; up] (W_ROWS = 2N) and out = silu(gate) * up. row_weight fp32 [R] multiplies each row.
+    use_asm: decode codes with the inline-PTX table (default on GPU) or portable Triton arithmetic.
     """
     r, n = out.shape
     k = a.shape[-1]
@@ -316,7 +317,7 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
             a_index, w.codes, w.block_scales, w.global_scale, gse, gsn, w_rows,
             out, row_weight, bias, tile_expert, tile_start, tile_end, ws, cnt,
             r, n, k, GROUPED=schedule is not None, GATHER=a_index is not None, SWIGLU=swiglu,
-            ROW_WEIGHT=row_weight is not None, HAS_BIAS=bias is not None, USE_ASM=not _INTERPRET, **cfg)
+            ROW_WEIGHT=row_weight is not None, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
     return out
 
 

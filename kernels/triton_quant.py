@@ -98,17 +98,11 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(
-    x_ptr, stride_xm,                      # input [M, K] float, row stride
-    s_enc_ptr,                             # fp32 [1] S_enc given (HAS_S_ENC), else unused
-    codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M]
-    deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
-    M, K,
-    ROWS: tl.constexpr, NB_PAD: tl.constexpr,
-    HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)                                   # [R]
+def _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+              ROWS: tl.constexpr, NB_PAD: tl.constexpr, HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr,
+              WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr):
+    """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers)."""
+    rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
     blocks = tl.arange(0, NB_PAD)                                            # [NB]
     cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]      # [1, NB, 16]
     rmask = rows < M
@@ -119,8 +113,9 @@ def _act_quant_kernel(
     if HAS_S_ENC:
         s_enc = tl.load(s_enc_ptr + rows * 0)
     else:
+        # the spec's 2688 / amax is torch's scalar / tensor: reciprocal(amax) * 2688, two roundings
         amax = tl.max(bamax, axis=1)                                         # [R]
-        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), 3.4028234663852886e38)
+        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 2688.0, 3.4028234663852886e38)
         s_enc = tl.where(amax == 0.0, 1.0, s_enc)
         tl.store(gs_ptr + rows, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=rmask)
     packed, scale, code = _quantize_tile(x, bamax, s_enc)
@@ -137,29 +132,47 @@ def _act_quant_kernel(
 
 
 @triton.jit
-def _weight_quant_kernel(
-    w_ptr,                                  # input [E, N, K] float, contiguous
-    s_enc_ptr, stride_s_enc,                # fp32 S_enc per expert (stride 0: one per tensor)
-    codes_ptr, scales_ptr,                  # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]
-    N, K,
-    BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr,
+def _act_quant_kernel(
+    x_ptr, stride_xm,                      # input [M, K] float, row stride
+    s_enc_ptr,                             # fp32 [1] S_enc given (HAS_S_ENC), else unused
+    codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M]
+    deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
+    M, K, n_tiles,
+    ROWS: tl.constexpr, NB_PAD: tl.constexpr,
+    HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
+    PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
 ):
-    e = tl.program_id(0)
-    rows = tl.program_id(1) * 16 + tl.arange(0, 16)                           # [16] rows of this expert
-    blocks = tl.program_id(2) * BLOCK_KB + tl.arange(0, BLOCK_KB)            # [NB]
+    if PERSIST_STAGES == 0:
+        _act_tile(tl.program_id(0), x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                  ROWS, NB_PAD, HAS_S_ENC, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+    else:
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
+            _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                      ROWS, NB_PAD, HAS_S_ENC, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+
+
+@triton.jit
+def _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K, n_row_tiles, n_k_tiles,
+                 BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr):
+    """Quantize 16 rows x BLOCK_KB blocks of one expert; tile = (e * n_row_tiles + row tile) * n_k_tiles + k tile."""
+    kt = tile % n_k_tiles
+    rt = (tile // n_k_tiles) % n_row_tiles
+    e = tile // (n_k_tiles * n_row_tiles)
+    rows = rt * 16 + tl.arange(0, 16)                                         # [16] rows of this expert
+    blocks = kt * BLOCK_KB + tl.arange(0, BLOCK_KB)                           # [NB]
     n_blocks = K // 16
     cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     rmask = rows < N
     bmask = blocks < n_blocks
     mask = rmask[:, None, None] & (cols < K)
-    grow = e.to(tl.int64) * N + rows                                         # global row
+    grow = e.to(tl.int64) * N + rows                                          # global row
     x = tl.load(w_ptr + grow[:, None, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
-    bamax = tl.max(tl.abs(x), axis=2)                                        # [16, NB]
+    bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
     s_enc = tl.load(s_enc_ptr + e * stride_s_enc + rows * 0)
     packed, scale, code = _quantize_tile(x, bamax, s_enc)
-    bytes_ = tl.program_id(2) * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
+    bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
              mask=rmask[:, None] & (bytes_[None, :] < K // 2))
     if SWIZZLE:
@@ -170,6 +183,37 @@ def _weight_quant_kernel(
     else:
         sc_off = grow[:, None] * n_blocks + blocks[None, :]
     tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & bmask[None, :])
+
+
+@triton.jit
+def _weight_quant_kernel(
+    w_ptr,                                  # input [E, N, K] float, contiguous
+    s_enc_ptr, stride_s_enc,                # fp32 S_enc per expert (stride 0: one per tensor)
+    codes_ptr, scales_ptr,                  # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]
+    N, K, n_row_tiles, n_k_tiles, n_tiles,
+    BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, PERSIST_STAGES: tl.constexpr,
+):
+    if PERSIST_STAGES == 0:
+        _weight_tile(tl.program_id(0), w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K,
+                     n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
+    else:
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
+            _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K,
+                         n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
+
+
+# Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
+# elements per program, warps, persistent pipelining depth (0 = off).
+ACT_CONFIG = dict(elements=4096, num_warps=8, persist_stages=0)
+WEIGHT_CONFIG = dict(block_kb=32, num_warps=8, persist_stages=0)
+_PROGRAMS_PER_SM = 4
+
+
+def _grid(n_tiles: int, persist_stages: int, device: torch.device) -> int:
+    if not persist_stages:
+        return n_tiles
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, sms * _PROGRAMS_PER_SM))
 
 
 def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -184,10 +228,12 @@ def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool):
+def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
+                config: dict | None = None):
+    cfg = config or ACT_CONFIG
     m, k = x2.shape
     nb_pad = triton.next_power_of_2(k // BLOCK)
-    rows = max(1, min(16, 4096 // (nb_pad * BLOCK)))
+    rows = max(1, min(64, cfg["elements"] // (nb_pad * BLOCK)))
     dev = x2.device
     out_codes = torch.empty((m, k // 2), dtype=torch.uint8, device=dev) if codes else None
     if swizzle:
@@ -197,19 +243,21 @@ def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, 
         scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
     gs = torch.empty((m,), dtype=torch.float32, device=dev)
     out_deq = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if deq else None
+    n_tiles = triton.cdiv(m, rows)
     if m:
-        _act_quant_kernel[(triton.cdiv(m, rows),)](
-            x2, x2.stride(0), s_enc, out_codes, scales, gs, out_deq, m, k,
+        _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
+            x2, x2.stride(0), s_enc, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, HAS_S_ENC=s_enc is not None, SWIZZLE=swizzle,
-            WRITE_CODES=codes, WRITE_DEQ=deq, num_warps=4 if rows * nb_pad * BLOCK <= 2048 else 8)
+            WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], num_warps=cfg["num_warps"])
     return out_codes, scales, gs, out_deq
 
 
-def quantize_per_token(x: torch.Tensor) -> NVFP4Tensor:
+def quantize_per_token(x: torch.Tensor, *, config: dict | None = None) -> NVFP4Tensor:
     """Per-token NVFP4 of x [..., K] (CUDA, float): codes [..., K/2], scales [..., K/16] (linear),
-    global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`."""
+    global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`.
+    config: launch override (keys of ACT_CONFIG), for tuning."""
     x2 = _check_rows(x, "x")
-    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=False, codes=True, deq=False)
+    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=False, codes=True, deq=False, config=config)
     lead = x.shape[:-1]
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(lead))
 
@@ -251,7 +299,8 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, check_finite: bool,
-                   swizzle: bool):
+                   swizzle: bool, config: dict | None = None):
+    cfg = config or WEIGHT_CONFIG
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if recipe not in ("1d", "2d"):
@@ -276,26 +325,31 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
         scales = torch.zeros((e, npad, kpad), dtype=torch.float8_e4m3fn, device=w.device)
     else:
         scales = torch.empty((e, n, nb), dtype=torch.float8_e4m3fn, device=w.device)
-    block_kb = min(32, triton.next_power_of_2(nb))
-    if w3.numel():
-        _weight_quant_kernel[(e, triton.cdiv(n, 16), triton.cdiv(nb, block_kb))](
-            w3, s_enc, 0 if s_enc.numel() == 1 else 1, codes, scales, n, k,
-            BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, num_warps=8)
+    block_kb = min(cfg["block_kb"], triton.next_power_of_2(nb))
+    n_row_tiles, n_k_tiles = triton.cdiv(n, 16), triton.cdiv(nb, block_kb)
+    n_tiles = e * n_row_tiles * n_k_tiles
+    if n_tiles:
+        _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
+            w3, s_enc, 0 if s_enc.numel() == 1 else 1, codes, scales, n, k, n_row_tiles, n_k_tiles, n_tiles,
+            BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, PERSIST_STAGES=cfg["persist_stages"],
+            num_warps=cfg["num_warps"])
     if w.dim() == 2:
         codes, scales = codes[0], scales[0]
     return codes, scales, (1.0 / s_enc).reshape(amax.shape)
 
 
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                    check_finite: bool = True) -> NVFP4Tensor:
+                    check_finite: bool = True, config: dict | None = None) -> NVFP4Tensor:
     """Quantize a weight [N, K] (global_scale []) or experts [E, N, K] (global_scale [E]) on CUDA;
     bit-identical to `reference.quantize_weight`.
 
     recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles). amax: optional fp32 [] or [E] (e.g. the
     learner's). check_finite: raise on NaN/Inf (one extra read of w when amax is given, one host
-    sync); the converter's fast path passes False after checking amax itself.
+    sync); the converter's fast path passes False after checking amax itself. config: launch
+    override (keys of WEIGHT_CONFIG), for tuning.
     """
-    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False)
+    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False,
+                                       config=config)
     return NVFP4Tensor(codes, scales, gs)
 
 

@@ -143,6 +143,19 @@ def test_packed_gemm_matches_reference(tk, m, n, k, split_k):
         _assert_fp32_reorder_close(out, a, w, want, bias)
 
 
+def test_inline_ptx_decode_equals_portable_decode(tk):
+    """Both decoders produce exact e2m1*s operands, so the products and sums are identical."""
+    tq, tg, _ = tk
+    a = tq.quantize_per_token(_activations(16, 4096, seed=11))
+    w = _weight(512, 4096, seed=12, per_row=True)
+    outs = []
+    for use_asm in (True, False):
+        out = torch.empty(16, 512, device="cuda")
+        tg.launch_w4a4(a, w, out, config=dict(tg.packed_config(16, 512, 4096), SPLIT_K=1), use_asm=use_asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("m", M_SIZES)
 @pytest.mark.parametrize("path", ["packed", "bf16"])
 def test_linear_paths_match_reference(tk, m, path):
