@@ -571,15 +571,30 @@ def expert(w: NVFP4Tensor, e: int) -> NVFP4Tensor:
     return NVFP4Tensor(w.codes[e], w.block_scales[e], w.global_scale[e])
 
 
+def fused_gate_up(gate: NVFP4Tensor, up: NVFP4Tensor) -> NVFP4Tensor:
+    """[E, I, H] gate and up, each with its own per-expert scale -> w13 [E, 2I, H], global_scale [E, 2I]."""
+    rows = lambda t: t.global_scale[:, None].expand(-1, t.codes.shape[1])
+    return NVFP4Tensor(torch.cat([gate.codes, up.codes], 1), torch.cat([gate.block_scales, up.block_scales], 1),
+                       torch.cat([rows(gate), rows(up)], 1).contiguous())
+
+
+@pytest.mark.parametrize("per_shard", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_matches_float64_loop(dtype):
+def test_moe_matches_float64_loop(dtype, per_shard):
     """Per (token, slot): h = deq(a_t) @ deq(w13_e).T; act = silu(gate) * up, cast to x.dtype and
     quantized per token (the spec's quantization points); y = deq(act) @ deq(w2_e).T, summed with
-    the routing weights. Everything else in float64."""
+    the routing weights. Everything else in float64. per_shard: gate and up keep their own
+    weight_scale_2 (global_scale [E, 2I]), as a converted checkpoint loads."""
     g = torch.Generator().manual_seed(23)
     t_, h, inter, e_, topk = 24, 64, 32, 4, 2
     x = (torch.randn(t_, h, generator=g)).to(dtype)
-    w13 = kernels.quantize_weight(torch.randn(e_, 2 * inter, h, generator=g) * 0.2)
+    gate_up = torch.randn(e_, 2 * inter, h, generator=g) * 0.2
+    gate_up[:, inter:] *= 3
+    if per_shard:
+        w13 = fused_gate_up(kernels.quantize_weight(gate_up[:, :inter]), kernels.quantize_weight(gate_up[:, inter:]))
+        assert w13.global_scale.shape == (e_, 2 * inter)
+    else:
+        w13 = kernels.quantize_weight(gate_up)
     w2 = kernels.quantize_weight(torch.randn(e_, h, inter, generator=g) * 0.2)
     ids = torch.stack([torch.randperm(e_, generator=g)[:topk] for _ in range(t_)])
     weights = torch.softmax(torch.randn(t_, topk, generator=g), -1)
