@@ -74,6 +74,23 @@ class Shard:
         return f"{self.name}.{kind}"
 
 
+def expert_shards(prefix: str, expert: int, *, hidden: int, inter: int, tp_rank: int = 0, tp_size: int = 1,
+                  proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, Shard]:
+    """Shards of expert `expert` of the MoE layer `prefix` ("...mlp.experts") on one tensor-parallel rank.
+
+    Keyed "w1" (gate), "w3" (up), "w2" (down). w13 storage [E, 2I, H]: gate rows [0, I), up rows
+    [I, 2I); w2 storage [E, H, I]; `inter` is I on this rank, the checkpoint holds I * tp_size.
+    """
+    name = f"{prefix}.{expert}"
+    gate, up, down = proj_names
+    part = slice(tp_rank * inter, (tp_rank + 1) * inter)
+    return {
+        "w1": Shard(f"{name}.{gate}", (inter * tp_size, hidden), slice(0, inter), expert, src_rows=part),
+        "w3": Shard(f"{name}.{up}", (inter * tp_size, hidden), slice(inter, 2 * inter), expert, src_rows=part),
+        "w2": Shard(f"{name}.{down}", (hidden, inter * tp_size), slice(0, hidden), expert, src_cols=part),
+    }
+
+
 def check_block_aligned(name: str, k: int) -> None:
     """Raise ValueError unless K (a full or per-rank input size) is a multiple of 16."""
     if k % BLOCK:
@@ -176,12 +193,15 @@ class LoadTracker:
         else:
             self.seen.add((shard.name, kind))
 
-    def missing(self) -> list[str]:
-        return [s.tensor_name(k) for s in self.shards for k in KINDS if (s.name, k) not in self.seen]
+    def missing(self, *, touched_only: bool = False) -> list[str]:
+        """Tensors never written; touched_only: only those of checkpoint tensors written in part (an update)."""
+        touched = {name for name, _ in self.seen}
+        return [s.tensor_name(k) for s in self.shards if not touched_only or s.name in touched
+                for k in KINDS if (s.name, k) not in self.seen]
 
-    def check(self) -> None:
-        """Raise ValueError naming every checkpoint tensor that never arrived."""
-        missing = self.missing()
+    def check(self, *, touched_only: bool = False) -> None:
+        """Raise ValueError naming every checkpoint tensor that never arrived (see `missing`)."""
+        missing = self.missing(touched_only=touched_only)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"nvfp4_sampler: checkpoint tensor(s) missing: {shown} (a pre-quantized layer needs "

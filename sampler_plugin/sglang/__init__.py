@@ -1,6 +1,22 @@
-"""SGLang adapter for the nvfp4_sampler quantization method (entry point `sglang.srt.plugins`)."""
+"""SGLang adapter for the nvfp4_sampler quantization method (entry point `sglang.srt.plugins`).
+
+Thin: parameters and loaders per SGLang's layer API, everything else in `sampler_plugin.layers`.
+SGLang runs `register` in every process (CLI, Engine, tokenizer, scheduler) before it parses
+`--quantization` or builds a model.
+"""
+from ..config import METHOD_NAME
 
 
 def register() -> None:
-    """Register `nvfp4_sampler` with SGLang."""
-    raise NotImplementedError("SGLang adapter is not built yet")
+    """Register `nvfp4_sampler` with SGLang: its quantization registries and the argparse choices."""
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES, add_quantization_method_choices
+    from sglang.srt.layers import quantization
+
+    from .config import NVFP4SamplerConfig
+
+    # Mutated in place: other SGLang modules hold these same dict objects. On AMX CPUs SGLang looks
+    # the name up in CPU_QUANTIZATION_METHODS; the torch reference backend runs there too.
+    quantization.QUANTIZATION_METHODS[METHOD_NAME] = NVFP4SamplerConfig
+    quantization.CPU_QUANTIZATION_METHODS[METHOD_NAME] = NVFP4SamplerConfig
+    if METHOD_NAME not in QUANTIZATION_CHOICES:
+        add_quantization_method_choices([METHOD_NAME])

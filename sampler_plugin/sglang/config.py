@@ -1,0 +1,74 @@
+"""SGLang QuantizationConfig `nvfp4_sampler`: parses SamplerConfig, picks a method per layer."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+from sglang.srt.layers.quantization.base_config import QuantizationConfig
+from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+from ..config import METHOD_NAME, SamplerConfig
+from ..policy import should_quantize
+from .linear import NVFP4LinearMethod
+from .moe import NVFP4MoEMethod
+
+# HF checkpoint names of SGLang's fused linears, for models whose class declares no packed_modules_mapping.
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+class NVFP4SamplerConfig(QuantizationConfig):
+    """`--quantization nvfp4_sampler`, or `quantization_config.quant_method: nvfp4_sampler` in config.json."""
+
+    def __init__(self, sampler: SamplerConfig | None = None, packed_modules_mapping: dict | None = None):
+        super().__init__()
+        self.sampler = sampler or SamplerConfig()
+        self.packed_modules_mapping = {**DEFAULT_PACKED_MODULES, **(packed_modules_mapping or {})}
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0      # the torch reference backend runs on every device
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
+        """A checkpoint's quantization_config, plus the keys SGLang adds to it (weight_utils.get_quant_config)."""
+        config = dict(config)
+        packed = config.pop("packed_modules_mapping", None)
+        config.pop("hf_config", None)
+        return cls(SamplerConfig.from_dict(config), packed)
+
+    def get_scaled_act_names(self) -> list[str]:
+        return []
+
+    def shard_names(self, prefix: str) -> list[str]:
+        """Checkpoint prefixes of the tensors fused into module `prefix` (itself if not fused)."""
+        parent, _, leaf = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(leaf)
+        if not parts:
+            return [prefix]
+        return [f"{parent}.{p}" if parent else p for p in parts]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, LinearBase):
+            names = self.shard_names(prefix)
+            keep = [not should_quantize(n, self.sampler) for n in [prefix, *names]]
+            if all(keep):
+                return UnquantizedLinearMethod()
+            if any(keep):
+                raise ValueError(f"nvfp4_sampler: keep_bf16 {list(self.sampler.keep_bf16)} splits the fused module "
+                                 f"{prefix} ({names}); keep all of its parts or none")
+            return NVFP4LinearMethod(self.sampler, prefix, names)
+        if isinstance(layer, FusedMoE) and should_quantize(prefix, self.sampler):
+            return NVFP4MoEMethod(self.sampler, prefix)
+        return None       # embeddings, lm_head, BF16 experts: SGLang's unquantized methods

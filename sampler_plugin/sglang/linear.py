@@ -1,0 +1,87 @@
+"""SGLang linear method of nvfp4_sampler: NVFP4 weights, per-token NVFP4 activations.
+
+Parameters of a quantized linear (checkpoint layout, kept as they are; no derived tensors):
+  weight          uint8 [N, K/2]           (N = sum of the fused output shards)
+  weight_scale    float8_e4m3fn [N, K/16]
+  weight_scale_2  float32 [N]              one decode scale per checkpoint tensor, spread over its rows
+Every parameter's `weight_loader` takes one checkpoint tensor (BF16 `P.weight`, or one of the NVFP4
+triplet) and writes it through `sampler_plugin.layers`, at start-up and in weight updates alike.
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.distributed.utils import get_group_rank_size
+from sglang.srt.layers.quantization.base_config import LinearMethodBase
+
+from .. import layers
+from ..config import SamplerConfig
+
+_QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def parameter(data: torch.Tensor, kind: str, loader) -> torch.nn.Parameter:
+    """A frozen parameter over storage `data` whose SGLang weight_loader is `loader`."""
+    p = torch.nn.Parameter(data, requires_grad=False)
+    p.nvfp4_kind = kind
+    p.weight_loader = loader
+    return p
+
+
+class UpdateTracking:
+    """Load bookkeeping shared by the linear and MoE methods (`layer.nvfp4_tracker`).
+
+    At start-up every checkpoint tensor of the layer must arrive. SGLang's begin_weight_update calls
+    restore_weights_before_loading (storage is already in checkpoint layout: nothing to undo; a fresh
+    tracker starts); end_weight_update calls process_weights_after_loading, which then checks that
+    every checkpoint tensor the session wrote got a float weight or the whole NVFP4 triplet.
+    """
+
+    def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
+        layer.nvfp4_tracker = layers.LoadTracker(layer.nvfp4_tracker.shards)
+        layer.nvfp4_updating = True
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.nvfp4_tracker.check(touched_only=layer.nvfp4_updating)
+
+
+class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
+    """W4A4 linear for one module `prefix`; `shard_names` are its checkpoint tensors' prefixes."""
+
+    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str]):
+        self.config = config
+        self.prefix = prefix
+        self.shard_names = shard_names
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if get_group_rank_size(layer.tp_group)[1] != 1:
+            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: tensor parallelism is not supported by the "
+                                      f"SGLang adapter yet (tp_size must be 1)")
+        if len(output_partition_sizes) != len(self.shard_names):
+            raise ValueError(f"nvfp4_sampler: {self.prefix}: {len(output_partition_sizes)} output shards but "
+                             f"checkpoint names {self.shard_names}")
+        w = layers.create_weight(sum(output_partition_sizes), input_size_per_partition, name=self.prefix)
+        loader = self._loader(layer)
+        for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
+            layer.register_parameter(kind, parameter(data, kind, loader))
+        shards, offset = [], 0
+        for name, size in zip(self.shard_names, output_partition_sizes):
+            shards.append(layers.Shard(name=name, shape=(size, input_size), rows=slice(offset, offset + size)))
+            offset += size
+        layer.nvfp4_tracker = layers.LoadTracker(shards)
+        layer.nvfp4_updating = False
+
+    def _loader(self, layer: torch.nn.Module):
+        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
+            index = _QKV_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
+            shard = layer.nvfp4_tracker.shards[index]
+            layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
+            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
+        return load
+
+    @staticmethod
+    def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
+        return layers.QuantizedWeight(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)

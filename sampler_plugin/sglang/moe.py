@@ -1,0 +1,85 @@
+"""SGLang fused-MoE method of nvfp4_sampler: NVFP4 experts, routing left to the model.
+
+SGLang's TopK computes topk_weights / topk_ids exactly as the model defines them (softmax, top-k,
+renormalisation) and hands them over in the dispatch output; `apply` runs the experts through
+`kernels.dispatch.moe` and returns a StandardCombineInput. Parameters (checkpoint layout):
+  w13_weight [E, 2I, H/2] uint8, w13_weight_scale [E, 2I, H/16] e4m3, w13_weight_scale_2 [E, 2I] fp32
+     (gate rows then up rows; each expert's gate_proj and up_proj keep their own decode scale)
+  w2_weight  [E, H, I/2] uint8,  w2_weight_scale  [E, H, I/16] e4m3,  w2_weight_scale_2  [E] fp32
+"""
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
+
+from .. import layers
+from ..config import SamplerConfig
+from .linear import UpdateTracking, parameter
+
+
+class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
+    """W4A4 SwiGLU experts of the SGLang FusedMoE layer `prefix` ("...mlp.experts", the checkpoint prefix)."""
+
+    def __init__(self, config: SamplerConfig, prefix: str):
+        self.config = config
+        self.prefix = prefix
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if layer.moe_tp_size != 1 or layer.moe_ep_size != 1:
+            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: tensor or expert parallelism is not supported "
+                                      f"by the SGLang adapter yet (moe tp_size and ep_size must be 1)")
+        if extra_weight_attrs.get("with_bias"):
+            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: MoE experts with biases are not supported")
+        inter = intermediate_size_per_partition
+        w13 = layers.create_weight(2 * inter, hidden_size, experts=num_experts, name=f"{self.prefix}.*.gate_proj/up_proj")
+        w2 = layers.create_weight(hidden_size, inter, experts=num_experts, global_per_row=False,
+                                  name=f"{self.prefix}.*.down_proj")
+        loader = self._loader(layer)
+        for stem, w in (("w13", w13), ("w2", w2)):
+            for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
+                layer.register_parameter(f"{stem}_{kind}", parameter(data, kind, loader))
+        layer.nvfp4_shards = [layers.expert_shards(self.prefix, e, hidden=hidden_size, inter=inter)
+                              for e in range(num_experts)]
+        layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
+        layer.nvfp4_updating = False
+
+    def _loader(self, layer: torch.nn.Module):
+        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                 expert_id: int) -> None:
+            shard = layer.nvfp4_shards[expert_id][shard_id]
+            storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
+            layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=self.config)
+            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
+        return load
+
+    @staticmethod
+    def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
+        return {stem: layers.QuantizedWeight(getattr(layer, f"{stem}_weight").data,
+                                             getattr(layer, f"{stem}_weight_scale").data,
+                                             getattr(layer, f"{stem}_weight_scale_2").data) for stem in ("w13", "w2")}
+
+    def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
+        """No SGLang runner: `apply` calls the kernels directly. Refuses what kernels.moe does not compute."""
+        c = moe_runner_config
+        unsupported = {
+            "activation": c.activation != "silu" or not c.is_gated,
+            "apply_router_weight_on_input": c.apply_router_weight_on_input,
+            "routed_scaling_factor": c.routed_scaling_factor not in (None, 1.0),
+            "num_fused_shared_experts": bool(c.num_fused_shared_experts),
+            "no_combine": c.no_combine,
+            "gemm1_alpha/gemm1_clamp_limit/swiglu_limit": any(
+                v is not None for v in (c.gemm1_alpha, c.gemm1_beta, c.gemm1_clamp_limit, c.swiglu_limit)),
+        }
+        bad = [name for name, flag in unsupported.items() if flag]
+        if bad:
+            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: MoE options {bad} are not supported "
+                                      f"(experts are SwiGLU, silu(gate) * up, combined with the router weights)")
+
+    def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
+        topk = dispatch_output.topk_output
+        w = self.storage(layer)
+        out = layers.apply_moe(dispatch_output.hidden_states, w["w13"], w["w2"], topk.topk_weights, topk.topk_ids,
+                               config=self.config)
+        return StandardCombineInput(hidden_states=out)
