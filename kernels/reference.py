@@ -41,9 +41,13 @@ def _check_input(x: torch.Tensor, name: str) -> None:
 
 
 def encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 2688 / amax in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape."""
+    """S_enc = fp32(1 / amax) * 2688 in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape.
+
+    Two roundings, as torch evaluates `2688 / amax` (Tensor.__rtruediv__ = reciprocal * scalar),
+    which is how vLLM's and compressed-tensors' references compute it.
+    """
     amax = amax.float()
-    s_enc = GLOBAL_ENCODE_NUMERATOR / amax
+    s_enc = torch.reciprocal(amax) * GLOBAL_ENCODE_NUMERATOR
     s_enc = torch.clamp(s_enc, max=_FLT_MAX)
     return torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
 
