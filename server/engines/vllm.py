@@ -1,0 +1,133 @@
+"""vLLM adapter: the vLLM OpenAI server (a child process, or already running) driven over HTTP.
+
+The server runs with `--quantization nvfp4_sampler`, the worker extension
+`sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension` and VLLM_SERVER_DEV_MODE=1, so
+the sidecar can call `/collective_rpc` (nvfp4_apply_update, nvfp4_weight_version), `/pause`,
+`/resume` and `/reset_prefix_cache`. OpenAI routes are forwarded as they are; log-probs use
+`/v1/completions` with token-id prompts, `max_tokens: 1` and `prompt_logprobs: k` (the one sampled
+token is discarded). The weight version lives in the engine's workers, so a restarted sidecar
+reads it back.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+
+from ..process import ChildServer, free_port
+from ..protocol import LogprobsRequest, SequenceLogprobs
+from ..settings import Settings
+from .base import Engine, EngineError, checkpoint_specs
+
+EXTENSION = "sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
+
+
+def vllm_server(model: str | Path, *, port: int, log: str | Path, extra: tuple[str, ...] | list[str] = (),
+                timeout_s: float = 600.0) -> ChildServer:
+    """The vLLM OpenAI server for `model` on 127.0.0.1:`port` with the nvfp4_sampler method, the
+    reload worker extension and the dev-mode routes (a ChildServer, not started). The CPU KV cache is
+    VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--quantization", "nvfp4_sampler",
+           "--worker-extension-cls", EXTENSION, *extra]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s)
+
+
+class VLLMEngine(Engine):
+    kind = "vllm"
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.child: ChildServer | None = None
+        if settings.engine == "remote":
+            self.url = settings.engine_url.rstrip("/")
+        else:
+            port = free_port()
+            self.child = vllm_server(settings.model, port=port, extra=settings.vllm_args,
+                                     log=Path(settings.staging_dir) / f"vllm-{port}.log",
+                                     timeout_s=settings.engine_start_timeout_s)
+            self.url = self.child.url
+        self.model_id = str(settings.model) if settings.model else ""
+        self.specs = checkpoint_specs(settings.model) if settings.model else {}
+        self.http: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        if self.child is not None:
+            await asyncio.to_thread(self.child.start)
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0))
+        models = (await self._post("GET", "/v1/models")).json()["data"][0]
+        self.model_id = models["id"]
+        if not self.specs:
+            root = Path(models.get("root") or models["id"])
+            if not (root / "config.json").is_file():
+                raise EngineError(f"cannot find the served model folder ({root}); pass --model", status=500)
+            self.specs = checkpoint_specs(root)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        if self.child is not None:
+            await asyncio.to_thread(self.child.stop)
+
+    async def _post(self, method: str, path: str, **kw) -> httpx.Response:
+        r = await self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            raise EngineError(f"vLLM {path}: HTTP {r.status_code}: {r.text[:2000]}",
+                              status=422 if r.status_code < 500 or "ValueError" in r.text else 502)
+        return r
+
+    async def _rpc(self, method: str, *args: str) -> list:
+        r = await self._post("POST", "/collective_rpc", json={"method": method, "args": list(args)})
+        return r.json()["results"]
+
+    async def weight_version(self) -> int:
+        versions = {int(v) for v in await self._rpc("nvfp4_weight_version")}
+        if len(versions) != 1:
+            raise EngineError(f"workers disagree on the weight version: {sorted(versions)}", status=500)
+        return versions.pop()
+
+    async def apply_update(self, staged_path: Path, version: int) -> dict:
+        await self._post("POST", "/pause", params={"mode": "wait"})
+        try:
+            reports = await self._rpc("nvfp4_apply_update", str(staged_path), str(version))
+            await self._post("POST", "/reset_prefix_cache")
+        finally:
+            await self._post("POST", "/resume")
+        return reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
+
+    async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
+        body = {"model": self.model_id, "prompt": req.sequences, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": req.top_k, "return_tokens_as_token_ids": True}
+        choices = sorted((await self._post("POST", "/v1/completions", json=body)).json()["choices"],
+                         key=lambda c: c["index"])
+        return [_sequence_logprobs(seq, p, c["prompt_logprobs"], req.top_k)
+                for seq, p, c in zip(req.sequences, req.prompt_lens, choices)]
+
+    async def openai(self, route: str, body: dict) -> tuple[int, dict]:
+        if body.get("stream"):
+            return 400, {"error": {"message": "stream=true is not supported through the sidecar",
+                                   "type": "invalid_request_error"}}
+        if route == "models":
+            r = await self.http.get("/v1/models")
+        else:
+            r = await self.http.post(f"/v1/{route}", json=body)
+        try:
+            return r.status_code, r.json()
+        except json.JSONDecodeError:
+            return 502, {"error": {"message": f"vLLM answered {r.status_code}: {r.text[:500]}"}}
+
+
+def _sequence_logprobs(seq: list[int], prompt_len: int, prompt_logprobs: list, k: int) -> SequenceLogprobs:
+    """vLLM's prompt_logprobs (position t: {token id: {logprob, rank}}; first None) -> response tokens."""
+    out = SequenceLogprobs(logprobs=[prompt_logprobs[t][str(seq[t])]["logprob"] for t in range(prompt_len, len(seq))])
+    if k:
+        tops = [sorted(((v["rank"], int(tok), v["logprob"]) for tok, v in prompt_logprobs[t].items()
+                        if v["rank"] <= k))[:k] for t in range(prompt_len, len(seq))]
+        out.top_ids = [[tok for _, tok, _ in row] for row in tops]
+        out.top_logprobs = [[lp for _, _, lp in row] for row in tops]
+    return out
