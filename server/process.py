@@ -25,9 +25,10 @@ class ChildServer:
     """`cmd` started in its own process group, output to `log`; `url` is ready once /health is 200."""
 
     def __init__(self, cmd: list[str], *, url: str, log: str | Path, env: dict[str, str] | None = None,
-                 timeout_s: float = 600.0):
+                 env_defaults: dict[str, str] | None = None, timeout_s: float = 600.0):
+        """env: set for the child; env_defaults: set unless the parent environment has them."""
         self.cmd, self.url, self.log, self.timeout_s = cmd, url, Path(log), timeout_s
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**(env_defaults or {}), **os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ChildServer":

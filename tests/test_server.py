@@ -12,34 +12,20 @@ import httpx
 import openai
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
-from converters.convert import ConvertOptions, convert
 from server.client import SamplerClient, SidecarError
 from server.process import sidecar
 from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
 from server.settings import Settings
 from server.wire import encode_frame, iter_entries
-from tests.models import tiny_qwen3
+from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, tensors
 
 pytestmark = pytest.mark.timeout(600)
-TOKEN = "s3cret-token"
-SEQS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 12, 12, 64, 1]]
-PROMPT_LENS = [3, 2]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    a, b = tiny_qwen3(root / "a", seed=0), tiny_qwen3(root / "b", seed=1)
-    tok = AutoTokenizer.from_pretrained(a)
-    tok.chat_template = CHATML
-    tok.save_pretrained(a)
-    convert(b, root / "b_nvfp4", ConvertOptions(report=False))
-    return {"a": a, "b": b, "b_nvfp4": root / "b_nvfp4"}
+    return build_models(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +51,6 @@ def reference_logprobs(models, tmp_path_factory):
 def client(server):
     with SamplerClient(server.url, token=TOKEN, retries=0) as c:
         yield c
-
-
-def _lp(c: SamplerClient):
-    r = c.logprobs(SEQS, PROMPT_LENS)
-    return r.weight_version, [x.logprobs for x in r.results]
-
-
-def _tensors(path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def test_read_routes(server, client, models):
@@ -130,7 +107,7 @@ def test_openai_client_chat_and_completions(server, models):
 
 
 def test_auth_required_for_mutations(server, models):
-    manifest = [e.model_dump() for e in iter_entries(_tensors(models["b"]))]
+    manifest = [e.model_dump() for e in iter_entries(tensors(models["b"]))]
     body = {"target_version": 1000, "manifest": manifest}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
         r = httpx.post(f"{server.url}/v1/weights/updates", json=body, headers=headers)
@@ -151,18 +128,18 @@ def test_bind_rules(models):
 def test_push_equals_fresh_engine_and_faults_keep_old_version(client, models, reference_logprobs):
     """Pushes of B (NVFP4 converted here, and BF16 quantized by the sampler) give exactly the log-probs
     of a fresh engine loaded with B; then 60 broken bodies each leave that version serving."""
-    v0, lp0 = _lp(client)
+    v0, lp0 = lp(client)
     assert lp0 == reference_logprobs["a"]
     res = client.push(models["b"], layout="nvfp4", progress=False)
     assert res.weight_version == v0 + 1
-    v1, lp1 = _lp(client)
+    v1, lp1 = lp(client)
     assert v1 == v0 + 1 and lp1 == reference_logprobs["b_nvfp4"] and lp1 != lp0
     res = client.push(models["b"], layout="bf16", progress=False)
-    v2, lp2 = _lp(client)
+    v2, lp2 = lp(client)
     assert v2 == v0 + 2 and lp2 == reference_logprobs["b_nvfp4"]    # sampler-side = trainer-side quantization
 
     # fault injection: truncate or corrupt the body at random offsets, >= 50 cases
-    a = _tensors(models["a"])
+    a = tensors(models["a"])
     entries = list(iter_entries(a))
     body = b"".join(bytes(b) for e in entries for b in encode_frame(e, a))
     rng = random.Random(1234)
@@ -187,14 +164,14 @@ def test_push_equals_fresh_engine_and_faults_keep_old_version(client, models, re
             client.commit(st.update_id)
         assert e.value.status == 409
         client.abort(st.update_id)
-        assert _lp(client) == (v2, lp2), case
+        assert lp(client) == (v2, lp2), case
 
 
 def test_resume_sends_only_missing(client, models, reference_logprobs):
     """A body cut after some frames keeps them; the client re-sends only the missing ones."""
     client.push(models["a"], layout="nvfp4", progress=False)            # start from A again
-    v, _ = _lp(client)
-    b = _tensors(models["b_nvfp4"])
+    v, _ = lp(client)
+    b = tensors(models["b_nvfp4"])
     entries = list(iter_entries(b))
     st = client.begin(v + 1, entries)
     first = [bytes(x) for e in entries[:10] for x in encode_frame(e, b)]
@@ -207,12 +184,12 @@ def test_resume_sends_only_missing(client, models, reference_logprobs):
     st = client.send(st.update_id, [x for e in entries if e.name in st.missing for x in encode_frame(e, b)])
     assert st.missing == []
     assert client.commit(st.update_id).weight_version == v + 1
-    assert _lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
 
 
 def test_bad_updates_are_refused_with_named_problems(client, models):
-    v, lp = _lp(client)
-    b = _tensors(models["b"])
+    v, lp = lp(client)
+    b = tensors(models["b"])
     entries = list(iter_entries(b))
     bad = entries[0].model_copy(update={"name": "model.layers.9.mlp.nope.weight"})
     with pytest.raises(SidecarError, match="model.layers.9.mlp.nope.weight: unknown tensor name"):
@@ -246,12 +223,12 @@ def test_bad_updates_are_refused_with_named_problems(client, models):
     with pytest.raises(SidecarError, match="lm_head.weight: not in the update's manifest"):
         client.send(st.update_id, encode_frame(next(e for e in entries if e.name == "lm_head.weight"), other))
     client.abort(st.update_id)
-    assert _lp(client) == (v, lp)
+    assert lp(client) == (v, lp)
 
 
 def test_killed_client_leaves_old_version(client, models, server):
     """A pushing process killed mid-body: old version serves; the stale update expires (3 s here)."""
-    v, lp = _lp(client)
+    v, lp = lp(client)
     script = (
         "import time, sys, httpx\n"
         "from safetensors.torch import load_file\n"
@@ -275,20 +252,20 @@ def test_killed_client_leaves_old_version(client, models, server):
     assert client.status(update_id).received == 6
     p.kill()
     p.wait()
-    assert _lp(client) == (v, lp)
-    entries = list(iter_entries(_tensors(models["b"])))
+    assert lp(client) == (v, lp)
+    entries = list(iter_entries(tensors(models["b"])))
     time.sleep(4)
     st = client.begin(v + 1, entries)                   # the dead client's update expired
     assert st.update_id != update_id and st.received == 0
     client.abort(st.update_id)
-    assert _lp(client) == (v, lp)
+    assert lp(client) == (v, lp)
 
 
 def test_concurrent_logprobs_during_updates_see_one_version(client, models):
     """Readers hammer /v1/logprobs while two updates commit: every answer is exactly the log-probs of
     the version it reports."""
     expected = {}
-    v, lp = _lp(client)
+    v, lp = lp(client)
     expected[v] = lp
     seen, errors, stop = [], [], threading.Event()
 
@@ -296,7 +273,7 @@ def test_concurrent_logprobs_during_updates_see_one_version(client, models):
         with SamplerClient(client.http.base_url.__str__()) as c:
             while not stop.is_set():
                 try:
-                    seen.append(_lp(c))
+                    seen.append(lp(c))
                 except Exception as e:  # noqa: BLE001 - collected and asserted below
                     errors.append(e)
 
@@ -306,7 +283,7 @@ def test_concurrent_logprobs_during_updates_see_one_version(client, models):
     try:
         for src in ("b", "a"):
             res = client.push(models[src], layout="nvfp4", progress=False)
-            expected[res.weight_version] = _lp(client)[1]
+            expected[res.weight_version] = lp(client)[1]
     finally:
         stop.set()
         for t in threads:

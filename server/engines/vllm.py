@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -34,8 +33,8 @@ def vllm_server(model: str | Path, *, port: int, log: str | Path, extra: tuple[s
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--quantization", "nvfp4_sampler",
            "--worker-extension-cls", EXTENSION, *extra]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s)
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env={"VLLM_SERVER_DEV_MODE": "1"},
+                       env_defaults={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=timeout_s)
 
 
 class VLLMEngine(Engine):

@@ -1,0 +1,179 @@
+"""The sidecar in front of a real vLLM CPU engine (nvfp4_sampler + reload worker extension), all as
+processes on 127.0.0.1: `sidecar --engine-url` mode, so the sidecar can be killed and restarted while
+the engine keeps serving. Run under `flock /tmp/nvfp4-engine.lock`."""
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from server.client import SamplerClient, SidecarError
+from server.engines.vllm import vllm_server
+from server.process import ChildServer, free_port, sidecar
+from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
+from server.wire import encode_frame, iter_entries
+from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, tensors
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "512", "--seed", "0", "--no-enable-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def fresh_b(models, logs):
+    """Log-probs of SEQS from a fresh vLLM engine loaded with B (sampler checkpoint), via its own sidecar."""
+    extra = [f"--vllm-arg={a}" for a in VLLM_ARGS]
+    with sidecar(models["b_nvfp4"], engine="vllm", log=logs / "fresh.log", extra=extra) as srv:
+        with SamplerClient(srv.url) as c:
+            return lp(c)[1]
+
+
+@pytest.fixture(scope="module")
+def engine(models, logs, fresh_b):
+    with vllm_server(models["a"], port=free_port(), log=logs / "vllm.log", extra=VLLM_ARGS) as srv:
+        yield srv
+
+
+def _sidecar_proc(engine_url: str, port: int, log) -> ChildServer:
+    cmd = [sys.executable, "-m", "server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port),
+           "--token", TOKEN]
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def side(engine, logs):
+    port = free_port()
+    holder = {"proc": _sidecar_proc(engine.url, port, logs / "sidecar.log").start(), "port": port}
+    yield holder
+    holder["proc"].stop()
+
+
+@pytest.fixture()
+def client(side):
+    with SamplerClient(side["proc"].url, token=TOKEN, retries=0) as c:
+        yield c
+
+
+def test_routes_and_openai_client(side, client, models):
+    h = client.health()
+    assert h["engine"] == "vllm" and h["weight_version"] == 0
+    assert client.version().weight_version == 0
+    url = side["proc"].url
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = oa.models.list().data[0].id
+    raw = oa.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "The capital of France"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2)
+    assert raw.headers[WEIGHT_VERSION_HEADER] == "0"
+    content = raw.parse().choices[0].logprobs.content
+    assert 1 <= len(content) <= 5 and all(t.logprob <= t.top_logprobs[0].logprob + 1e-6 for t in content)
+    comp = oa.completions.create(model=model, prompt=SEQS[0], max_tokens=4, temperature=0, logprobs=1)
+    assert len(comp.choices[0].logprobs.token_logprobs) == 4
+    assert "nvfp4_sampler_weight_version 0.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_logprobs_equal_the_engine_called_directly(engine, client):
+    """The sidecar's recompute is vLLM's prompt log-probs, number for number (JSON and binary)."""
+    body = {"model": client.version().model, "prompt": SEQS, "max_tokens": 1, "prompt_logprobs": 0}
+    choices = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).json()["choices"]
+    direct = [[c["prompt_logprobs"][t][str(s[t])]["logprob"] for t in range(p, len(s))]
+              for c, s, p in zip(choices, SEQS, PROMPT_LENS)]
+    assert lp(client)[1] == direct
+    top = client.logprobs(SEQS, PROMPT_LENS, top_k=3, format="binary").results
+    assert all(len(row) == 3 for r in top for row in r.top_ids)
+    assert all(abs(a - b) < 1e-6 for r, d in zip(top, direct) for a, b in zip(r.logprobs, d))
+
+
+def test_push_equals_fresh_engine(client, models, fresh_b):
+    v0, lp0 = lp(client)
+    assert client.push(models["b"], layout="nvfp4", progress=False).weight_version == v0 + 1
+    v1, lp1 = lp(client)
+    assert v1 == v0 + 1 and lp1 == fresh_b and lp1 != lp0
+    client.push(models["a"], layout="nvfp4", progress=False)
+    assert lp(client) == (v0 + 2, lp0)                                    # back to A exactly
+    client.push(models["b"], layout="bf16", progress=False)              # quantized inside vLLM
+    assert lp(client) == (v0 + 3, fresh_b)
+
+
+def test_faults_leave_old_version(client, models):
+    v, before = lp(client)
+    a = tensors(models["a"])
+    entries = list(iter_entries(a))
+    body = b"".join(bytes(b) for e in entries for b in encode_frame(e, a))
+    rng = random.Random(7)
+    for case in range(12):
+        st = client.begin(v + 1, entries)
+        cut = rng.randrange(1, len(body))
+        broken = body[:cut] if case % 2 else body[:cut] + bytes([body[cut] ^ 0x5A]) + body[cut + 1:]
+        r = httpx.put(f"{client.http.base_url}/v1/weights/updates/{st.update_id}/body", content=broken,
+                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": FRAMES_CONTENT_TYPE})
+        assert 400 <= r.status_code < 500, r.text
+        with pytest.raises(SidecarError, match="not received yet"):
+            client.commit(st.update_id)
+        client.abort(st.update_id)
+    assert lp(client) == (v, before)
+
+
+def test_sidecar_killed_mid_update_restarts_on_last_committed(side, engine, client, models, logs):
+    v, before = lp(client)
+    b = tensors(models["b"])
+    entries = list(iter_entries(b))
+    st = client.begin(v + 1, entries)
+    half = b"".join(bytes(x) for e in entries[: len(entries) // 2] for x in encode_frame(e, b))
+    client.send(st.update_id, [half])
+    assert client.status(st.update_id).received == len(entries) // 2
+    side["proc"].stop(sig=signal.SIGKILL)
+    side["proc"] = _sidecar_proc(engine.url, side["port"], logs / "sidecar2.log").start()
+    with SamplerClient(side["proc"].url, token=TOKEN) as c:
+        assert c.version().weight_version == v and c.version().update is None
+        assert lp(c) == (v, before)
+        with pytest.raises(SidecarError) as e:
+            c.status(st.update_id)
+        assert e.value.status == 404
+
+
+def test_concurrent_logprobs_during_updates_see_one_version(side, models):
+    url = side["proc"].url
+    with SamplerClient(url, token=TOKEN) as c:
+        v, lp_v = lp(c)
+        expected = {v: lp_v}
+        seen, errors, stop = [], [], threading.Event()
+
+        def reader():
+            with SamplerClient(url) as rc:
+                while not stop.is_set():
+                    try:
+                        seen.append(lp(rc))
+                    except Exception as e:  # noqa: BLE001 - collected and asserted below
+                        errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for src in ("b", "a"):
+                res = c.push(models[src], layout="nvfp4", progress=False)
+                expected[res.weight_version] = lp(c)[1]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+    assert not errors, errors[:3]
+    assert len({s[0] for s in seen}) >= 2, [s[0] for s in seen]
+    for ver, got in seen:
+        assert got == expected[ver], ver
