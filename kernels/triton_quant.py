@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
 from .format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
 
 
@@ -51,29 +50,54 @@ class ExactBF16Rows(NamedTuple):
 
 
 @triton.jit
+def _e4m3_rne(x):
+    """fp32 in [0, 448] -> float8e4nv, round to nearest even, computed on the bits (so it does not
+    depend on the compiler's conversion path): normals keep 3 mantissa bits, values under 2^-6
+    round to multiples of 2^-9."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)
+    return tl.where(x < 0.015625, sub, normal).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _s_enc_from_amax(amax):
+    """S_enc = 2688 / amax as the spec computes it in torch (scalar / tensor is
+    reciprocal(amax) * 2688: two roundings), clamped to the fp32 max; amax == 0 -> 1."""
+    s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 2688.0, 3.4028234663852886e38)
+    return tl.where(amax == 0.0, 1.0, s_enc)
+
+
+@triton.jit
 def _quantize_tile(x, bamax, s_enc):
     """The spec's block quantizer on one tile.
 
     x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
-    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], codes uint8
+    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], codes int32
     [R, NB, 16] unpacked).
+
+    E2M1 round-to-nearest-even of a = min(|v|, 6) without seven comparisons: the grid has step 0.5
+    below 2, 1 below 4 and 2 up to 6, so code = rint(a * step^-1) + offset with rint done by adding
+    and subtracting 1.5 * 2^23 (exact: the products are by powers of two). This agrees with the
+    spec's thresholds at every tie (0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6,
+    5 -> 6).
     """
-    scale = s_enc[:, None] * (bamax * 0.1666666716337204)
-    scale = tl.clamp(scale, -448.0, 448.0).to(tl.float8e4nv)
+    scale = _e4m3_rne(tl.minimum(s_enc[:, None] * (bamax * 0.1666666716337204), 448.0))
     s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
     dec = scale.to(tl.float32) * s_dec[:, None]
     inv = tl.where(dec == 0.0, 0.0, tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), 3.4028234663852886e38))
     v = x * inv[:, :, None]
-    a = tl.abs(v)
-    code = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
-            + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
-            + (a > 5.0).to(tl.uint8))
-    sign = (v.to(tl.int32, bitcast=True) < 0).to(tl.uint8)
-    code = code | (sign << 3)
+    a = tl.minimum(tl.abs(v), 6.0)
+    lt2 = a < 2.0
+    lt4 = a < 4.0
+    step_inv = tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
+    offset = tl.where(lt2, 0.0, tl.where(lt4, 2.0, 4.0))
+    r = (a * step_inv + 12582912.0) - 12582912.0
+    code = (r + offset).to(tl.int32) | ((v.to(tl.int32, bitcast=True) >> 31) & 8)
     R: tl.constexpr = x.shape[0]
     NB: tl.constexpr = x.shape[1]
     lo, hi = tl.split(tl.reshape(code, (R, NB * 8, 2)))
-    return lo | (hi << 4), scale, code
+    return (lo | (hi << 4)).to(tl.uint8), scale, code
 
 
 @triton.jit
@@ -98,8 +122,8 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-              ROWS: tl.constexpr, NB_PAD: tl.constexpr, HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr,
+def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+              ROWS: tl.constexpr, NB_PAD: tl.constexpr, GIVEN_AMAX: tl.constexpr, SWIZZLE: tl.constexpr,
               WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr):
     """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers)."""
     rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
@@ -110,14 +134,15 @@ def _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, 
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
-    if HAS_S_ENC:
-        s_enc = tl.load(s_enc_ptr + rows * 0)
+    if GIVEN_AMAX:                                                           # one amax for the tensor
+        s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0))
+        gs_mask = rows == 0
+        gs_off = rows * 0
     else:
-        # the spec's 2688 / amax is torch's scalar / tensor: reciprocal(amax) * 2688, two roundings
-        amax = tl.max(bamax, axis=1)                                         # [R]
-        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 2688.0, 3.4028234663852886e38)
-        s_enc = tl.where(amax == 0.0, 1.0, s_enc)
-        tl.store(gs_ptr + rows, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=rmask)
+        s_enc = _s_enc_from_amax(tl.max(bamax, axis=1))                      # [R]
+        gs_mask = rmask
+        gs_off = rows
+    tl.store(gs_ptr + gs_off, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=gs_mask)
     packed, scale, code = _quantize_tile(x, bamax, s_enc)
     n_blocks = K // 16
     if WRITE_CODES:
@@ -134,25 +159,25 @@ def _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, 
 @triton.jit
 def _act_quant_kernel(
     x_ptr, stride_xm,                      # input [M, K] float, row stride
-    s_enc_ptr,                             # fp32 [1] S_enc given (HAS_S_ENC), else unused
-    codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M]
+    amax_ptr,                              # fp32 [1] amax of the whole tensor (GIVEN_AMAX), else unused
+    codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M] (or [1])
     deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
     M, K, n_tiles,
     ROWS: tl.constexpr, NB_PAD: tl.constexpr,
-    HAS_S_ENC: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
+    GIVEN_AMAX: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
     PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
 ):
     if PERSIST_STAGES == 0:
-        _act_tile(tl.program_id(0), x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                  ROWS, NB_PAD, HAS_S_ENC, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+        _act_tile(tl.program_id(0), x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                  ROWS, NB_PAD, GIVEN_AMAX, SWIZZLE, WRITE_CODES, WRITE_DEQ)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
-            _act_tile(tile, x_ptr, stride_xm, s_enc_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                      ROWS, NB_PAD, HAS_S_ENC, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+            _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                      ROWS, NB_PAD, GIVEN_AMAX, SWIZZLE, WRITE_CODES, WRITE_DEQ)
 
 
 @triton.jit
-def _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K, n_row_tiles, n_k_tiles,
+def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
                  BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr):
     """Quantize 16 rows x BLOCK_KB blocks of one expert; tile = (e * n_row_tiles + row tile) * n_k_tiles + k tile."""
     kt = tile % n_k_tiles
@@ -170,7 +195,9 @@ def _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N,
     bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
-    s_enc = tl.load(s_enc_ptr + e * stride_s_enc + rows * 0)
+    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax + rows * 0))
+    tl.store(gs_ptr + e * stride_amax + rows * 0, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc),
+             mask=(rows + kt) == 0)
     packed, scale, code = _quantize_tile(x, bamax, s_enc)
     bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
@@ -188,17 +215,17 @@ def _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N,
 @triton.jit
 def _weight_quant_kernel(
     w_ptr,                                  # input [E, N, K] float, contiguous
-    s_enc_ptr, stride_s_enc,                # fp32 S_enc per expert (stride 0: one per tensor)
-    codes_ptr, scales_ptr,                  # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]
+    amax_ptr, stride_amax,                  # fp32 amax per expert (stride 0: one per tensor)
+    codes_ptr, scales_ptr, gs_ptr,          # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]; S_dec like amax
     N, K, n_row_tiles, n_k_tiles, n_tiles,
     BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, PERSIST_STAGES: tl.constexpr,
 ):
     if PERSIST_STAGES == 0:
-        _weight_tile(tl.program_id(0), w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K,
+        _weight_tile(tl.program_id(0), w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K,
                      n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
-            _weight_tile(tile, w_ptr, s_enc_ptr, stride_s_enc, codes_ptr, scales_ptr, N, K,
+            _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K,
                          n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
 
 
@@ -228,7 +255,7 @@ def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
+def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
                 config: dict | None = None):
     cfg = config or ACT_CONFIG
     m, k = x2.shape
@@ -241,13 +268,13 @@ def _act_launch(x2: torch.Tensor, *, s_enc: torch.Tensor | None, swizzle: bool, 
         scales = torch.zeros((mp, kp), dtype=torch.float8_e4m3fn, device=dev)
     else:
         scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
-    gs = torch.empty((m,), dtype=torch.float32, device=dev)
+    gs = torch.empty((m if amax is None else 1,), dtype=torch.float32, device=dev)
     out_deq = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if deq else None
     n_tiles = triton.cdiv(m, rows)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
-            x2, x2.stride(0), s_enc, out_codes, scales, gs, out_deq, m, k, n_tiles,
-            ROWS=rows, NB_PAD=nb_pad, HAS_S_ENC=s_enc is not None, SWIZZLE=swizzle,
+            x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
+            ROWS=rows, NB_PAD=nb_pad, GIVEN_AMAX=amax is not None, SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], num_warps=cfg["num_warps"])
     return out_codes, scales, gs, out_deq
 
@@ -257,7 +284,7 @@ def quantize_per_token(x: torch.Tensor, *, config: dict | None = None) -> NVFP4T
     global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`.
     config: launch override (keys of ACT_CONFIG), for tuning."""
     x2 = _check_rows(x, "x")
-    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=False, codes=True, deq=False, config=config)
+    codes, scales, gs, _ = _act_launch(x2, amax=None, swizzle=False, codes=True, deq=False, config=config)
     lead = x.shape[:-1]
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(lead))
 
@@ -267,7 +294,7 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K] for swizzled scales, got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
-    codes, scales, gs, _ = _act_launch(x2, s_enc=None, swizzle=True, codes=True, deq=False)
+    codes, scales, gs, _ = _act_launch(x2, amax=None, swizzle=True, codes=True, deq=False)
     return SwizzledNVFP4(codes, scales, gs)
 
 
@@ -277,7 +304,7 @@ def quantize_per_token_exact_bf16(x: torch.Tensor) -> ExactBF16Rows:
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
-    _, _, gs, deq = _act_launch(x2, s_enc=None, swizzle=False, codes=False, deq=True)
+    _, _, gs, deq = _act_launch(x2, amax=None, swizzle=False, codes=False, deq=True)
     return ExactBF16Rows(deq, gs)
 
 
@@ -285,11 +312,11 @@ def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) ->
     """Per-tensor NVFP4 of x [..., K] (one S_dec, shape []); bit-identical to
     `reference.quantize_per_tensor`. amax: optional fp32 scalar instead of max|x|."""
     x2 = _check_rows(x, "x")
-    amax = torch.linalg.vector_norm(x2, ord=float("inf")) if amax is None else amax.reshape(())
-    s_enc = reference.encode_scale_from_amax(amax).reshape(1)
-    codes, scales, _, _ = _act_launch(x2, s_enc=s_enc, swizzle=False, codes=True, deq=False)
+    amax = torch.linalg.vector_norm(x2, ord=float("inf")) if amax is None else amax
+    amax = amax.to(device=x2.device, dtype=torch.float32).reshape(1)
+    codes, scales, gs, _ = _act_launch(x2, amax=amax, swizzle=False, codes=True, deq=False)
     lead = x.shape[:-1]
-    return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), (1.0 / s_enc).reshape(()))
+    return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(()))
 
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
@@ -315,9 +342,11 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
         amax = full if amax is None else amax
     elif amax is None:
         amax = weight_amax(w)
-    s_enc = reference.encode_scale_from_amax(amax.to(w.device)).contiguous()
-    if s_enc.numel() not in (1, e):
+    amax = amax.to(device=w.device, dtype=torch.float32)
+    if amax.numel() not in (1, e) or amax.dim() > 1:
         raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
+    amax_flat = amax.reshape(-1).contiguous()
+    gs = torch.empty_like(amax_flat)
     codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.device)
     nb = k // BLOCK
     if swizzle:
@@ -330,12 +359,12 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     n_tiles = e * n_row_tiles * n_k_tiles
     if n_tiles:
         _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
-            w3, s_enc, 0 if s_enc.numel() == 1 else 1, codes, scales, n, k, n_row_tiles, n_k_tiles, n_tiles,
+            w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles, n_tiles,
             BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, PERSIST_STAGES=cfg["persist_stages"],
             num_warps=cfg["num_warps"])
     if w.dim() == 2:
         codes, scales = codes[0], scales[0]
-    return codes, scales, (1.0 / s_enc).reshape(amax.shape)
+    return codes, scales, gs.reshape(amax.shape)
 
 
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
