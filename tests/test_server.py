@@ -188,7 +188,7 @@ def test_resume_sends_only_missing(client, models, reference_logprobs):
 
 
 def test_bad_updates_are_refused_with_named_problems(client, models):
-    v, lp = lp(client)
+    v, before = lp(client)
     b = tensors(models["b"])
     entries = list(iter_entries(b))
     bad = entries[0].model_copy(update={"name": "model.layers.9.mlp.nope.weight"})
@@ -223,12 +223,12 @@ def test_bad_updates_are_refused_with_named_problems(client, models):
     with pytest.raises(SidecarError, match="lm_head.weight: not in the update's manifest"):
         client.send(st.update_id, encode_frame(next(e for e in entries if e.name == "lm_head.weight"), other))
     client.abort(st.update_id)
-    assert lp(client) == (v, lp)
+    assert lp(client) == (v, before)
 
 
 def test_killed_client_leaves_old_version(client, models, server):
     """A pushing process killed mid-body: old version serves; the stale update expires (3 s here)."""
-    v, lp = lp(client)
+    v, before = lp(client)
     script = (
         "import time, sys, httpx\n"
         "from safetensors.torch import load_file\n"
@@ -252,21 +252,21 @@ def test_killed_client_leaves_old_version(client, models, server):
     assert client.status(update_id).received == 6
     p.kill()
     p.wait()
-    assert lp(client) == (v, lp)
+    assert lp(client) == (v, before)
     entries = list(iter_entries(tensors(models["b"])))
     time.sleep(4)
     st = client.begin(v + 1, entries)                   # the dead client's update expired
     assert st.update_id != update_id and st.received == 0
     client.abort(st.update_id)
-    assert lp(client) == (v, lp)
+    assert lp(client) == (v, before)
 
 
 def test_concurrent_logprobs_during_updates_see_one_version(client, models):
     """Readers hammer /v1/logprobs while two updates commit: every answer is exactly the log-probs of
     the version it reports."""
     expected = {}
-    v, lp = lp(client)
-    expected[v] = lp
+    v, before = lp(client)
+    expected[v] = before
     seen, errors, stop = [], [], threading.Event()
 
     def reader():
