@@ -1,6 +1,7 @@
 """Spec tests for kernels.reference (docs/FORMAT.md): agreement with vLLM's emulation,
 compressed-tensors and TransformerEngine's NVFP4 formula, batch invariance, round-trip bounds,
 exactness on the NVFP4 grid, the 2D weight recipe, errors, the GEMM and the MoE."""
+import functools
 import math
 
 import numpy as np
@@ -617,3 +618,29 @@ def test_moe_matches_float64_loop(dtype, per_shard):
     assert out.dtype == dtype
     tol = 1e-5 * ref.abs().max() + (2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22) * ref.abs()
     assert ((out.double() - ref).abs() <= tol).all()
+
+
+# ---------------------------------------------------------------- the spec on CUDA
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_on_cuda_equals_cpu(dtype):
+    """The spec is device independent: codes, scales and global scales bit-identical on CUDA."""
+    x = random_input(384, 2048, dtype, seed=29)
+    adv = adversarial_input(dtype, 3 if dtype == torch.float16 else 100)
+    cases = [(R.quantize_per_token, x), (R.quantize_per_tensor, x), (R.quantize_per_token, adv),
+             (R.quantize_per_tensor, adv), (functools.partial(kernels.quantize_weight, recipe="1d"), x),
+             (functools.partial(kernels.quantize_weight, recipe="2d"), x[:200])]
+    for quantize, v in cases:
+        cpu, gpu = quantize(v), quantize(v.cuda()).to("cpu")
+        assert torch.equal(cpu.codes, gpu.codes)
+        assert torch.equal(cpu.block_scales.view(torch.uint8), gpu.block_scales.view(torch.uint8))
+        assert torch.equal(cpu.global_scale, gpu.global_scale)
+        assert torch.equal(kernels.dequantize(cpu), kernels.dequantize(gpu.to("cuda")).cpu())
+    sw = R.swizzle_scales_128x4(R.quantize_per_token(x).block_scales)
+    assert torch.equal(sw.view(torch.uint8), R.swizzle_scales_128x4(
+        R.quantize_per_token(x.cuda()).block_scales).cpu().view(torch.uint8))
+    a, w = R.quantize_per_token(x[:100]), kernels.quantize_weight(x[100:300])
+    out = kernels.nvfp4_gemm(a.to("cuda"), w.to("cuda"), out_dtype=torch.float32).cpu()
+    a64, w64 = deq64(a), deq64(w)
+    assert ((out.double() - a64 @ w64.T).abs() <= gemm_bound(a64, w64, 2048)).all()
