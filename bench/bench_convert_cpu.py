@@ -1,15 +1,17 @@
-"""CPU throughput of the converter on Qwen3-30B-A3B-shaped weights (synthetic BF16).
+"""Throughput of the converter on Qwen3-30B-A3B-shaped weights (synthetic BF16), on the CPU (default)
+or, with --device cuda, end to end on a GPU (the conversion kernel alone is benchmarked by the
+kernels owner in docs/BENCHMARKS.md).
 
 One decoder layer's attention (q [4096, 2048], k/v [512, 2048], o [2048, 4096]) plus the first
 `--experts` of its 128 experts (gate/up [768, 2048], down [2048, 768]) are converted as an
 in-memory learner state dict through `iter_buckets` (no disk), for each source kind:
-  bf16-1d / bf16-2d   BF16 masters quantized on the CPU (kernels reference backend)
+  bf16-1d / bf16-2d   BF16 masters quantized on --device (kernels.dispatch: reference on CPU)
   te-2d               TransformerEngine NVFP4 storage (compact padded scales): a lossless byte copy
   keep-bf16           all linears kept BF16 (the streaming floor: NaN check + bucketing)
 each with and without the per-tensor error report. Also one end-to-end file conversion (HF folder
 -> sampler folder) of the same tensors. GB/s counts source bytes (BF16 bytes for BF16 sources).
 
-Usage: python bench/bench_convert_cpu.py [--experts 16] [--threads 2]
+Usage: python bench/bench_convert_cpu.py [--experts 8] [--threads 2] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from safetensors.torch import save_file
 
 from converters.convert import ConvertOptions, ConvertSummary, convert, iter_buckets
 from converters.sources import StateDictSource, TENVFP4Weight
-from kernels import reference
+from kernels import dispatch
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
           "moe_intermediate_size": 768, "num_experts": 128, "num_hidden_layers": 48, "vocab_size": 151936}
 
 
-def layer_weights(experts: int) -> dict[str, torch.Tensor]:
+def layer_weights(experts: int, device: str) -> dict[str, torch.Tensor]:
     """BF16 weights of layer 0: attention and the first `experts` experts."""
     g = torch.Generator().manual_seed(0)
     p = "model.layers.0."
@@ -40,37 +42,46 @@ def layer_weights(experts: int) -> dict[str, torch.Tensor]:
     for e in range(experts):
         shapes |= {f"{p}mlp.experts.{e}.gate_proj.weight": (768, 2048), f"{p}mlp.experts.{e}.up_proj.weight": (768, 2048),
                    f"{p}mlp.experts.{e}.down_proj.weight": (2048, 768)}
-    return {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    return {n: (torch.randn(s, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
 
 
 def te_weights(weights: dict[str, torch.Tensor]) -> dict[str, TENVFP4Weight]:
     """The same weights as a 2D-recipe TE learner stores them (compact padded scale_inv)."""
     out = {}
     for name, w in weights.items():
-        q = reference.quantize_weight(w, recipe="2d")
+        q = dispatch.quantize_weight_on(w, recipe="2d")
         m, ksf = q.block_scales.shape
-        scale_inv = torch.zeros(-(-m // 128) * 128, -(-ksf // 4) * 4, dtype=torch.uint8)
+        scale_inv = torch.zeros(-(-m // 128) * 128, -(-ksf // 4) * 4, dtype=torch.uint8, device=w.device)
         scale_inv[:m, :ksf] = q.block_scales.view(torch.uint8)
         out[name] = TENVFP4Weight(q.codes, scale_inv, w.abs().float().amax().reshape(1))
     return out
 
 
-def run(source_tensors: dict, bytes_in: int, **options) -> float:
-    """Seconds to stream all buckets of the source."""
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(source_tensors: dict, device: str, **options) -> float:
+    """Seconds to stream all buckets of the source (buckets stay on `device`)."""
     summary = ConvertSummary()
+    _sync(device)
     start = time.perf_counter()
-    for _ in iter_buckets(StateDictSource(source_tensors, config=CONFIG), ConvertOptions(**options), summary=summary):
+    for _ in iter_buckets(StateDictSource(source_tensors, config=CONFIG), ConvertOptions(device=device, **options),
+                          summary=summary):
         pass
+    _sync(device)
     return time.perf_counter() - start
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    weights = layer_weights(args.experts)
+    weights = layer_weights(args.experts, args.device)
     bf16_bytes = sum(w.numel() * 2 for w in weights.values())
     te = te_weights(weights)
     keep_all = ("model.layers.",)
@@ -78,18 +89,22 @@ def main() -> None:
     for label, tensors, opts in (("bf16-1d", weights, {"recipe": "1d"}), ("bf16-2d", weights, {"recipe": "2d"}),
                                  ("te-2d", te, {"recipe": "2d"}), ("keep-bf16", weights, {"keep_bf16": keep_all})):
         for report in (True, False):
-            secs = run(tensors, bf16_bytes, report=report, **opts)
+            if args.device != "cpu":
+                run(tensors, args.device, report=report, **opts)      # warm-up (kernel compilation)
+            secs = run(tensors, args.device, report=report, **opts)
             rows.append({"source": label, "report": report, "seconds": round(secs, 3),
                          "GB/s (BF16-equivalent)": round(bf16_bytes / secs / 1e9, 4)})
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
-        save_file(weights, src / "model.safetensors")
+        save_file({n: w.cpu() for n, w in weights.items()}, src / "model.safetensors")
         (src / "config.json").write_text(json.dumps(CONFIG))
-        s = convert(src, Path(tmp) / "dst", ConvertOptions(recipe="2d", report=False, bucket_bytes=64 << 20))
+        s = convert(src, Path(tmp) / "dst", ConvertOptions(recipe="2d", report=False, bucket_bytes=64 << 20,
+                                                          device=args.device))
         rows.append({"source": "file bf16-2d (HF folder -> sampler folder)", "report": False,
                      "seconds": round(s.seconds, 3), "GB/s (BF16-equivalent)": round(s.gb_per_s, 4)})
-    print(f"{len(weights)} tensors, {bf16_bytes / 1e6:.1f} MB BF16, torch threads {args.threads}\n")
+    print(f"{len(weights)} tensors, {bf16_bytes / 1e6:.1f} MB BF16, device {args.device}, "
+          f"torch threads {args.threads}\n")
     print("| source | report | seconds | GB/s |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['source']} | {'yes' if r['report'] else 'no'} | {r['seconds']} | {r['GB/s (BF16-equivalent)']} |")
