@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .convert import DEFAULT_BUCKET_BYTES, ConvertOptions, convert
 from .sources import SafetensorsFolder
@@ -36,15 +37,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the conversion with a progress bar and print the summary. Returns the exit code."""
+    """Run the conversion with a progress bar and print the summary. Returns the exit code
+    (0, or 2 for bad input after printing the error; DST is then untouched)."""
     from tqdm import tqdm
 
-    options = ConvertOptions(recipe=args.recipe, tp=args.tp, device=args.device, bucket_bytes=args.bucket_bytes,
-                             keep_bf16=tuple(p for p in args.keep_bf16.split(",") if p),
-                             report=not args.no_report)
-    source = SafetensorsFolder(args.src)
-    with tqdm(total=source.nbytes, unit="B", unit_scale=True, desc="convert") as bar:
-        summary = convert(source, args.dst, options, progress=bar.update)
+    try:
+        options = ConvertOptions(recipe=args.recipe, tp=args.tp, device=args.device, bucket_bytes=args.bucket_bytes,
+                                 keep_bf16=tuple(p for p in args.keep_bf16.split(",") if p),
+                                 report=not args.no_report)
+        source = SafetensorsFolder(args.src)
+        with tqdm(total=source.nbytes, unit="B", unit_scale=True, desc="convert") as bar:
+            summary = convert(source, args.dst, options, progress=bar.update)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:      # bad input: one clear line, no traceback
+        print(f"nvfp4-sampler convert: error: {e}", file=sys.stderr)
+        return 2
     print(f"converted {summary.tensors_in} tensors -> {summary.tensors_out} in {args.dst}")
     print(f"bytes in {summary.bytes_in / 1e9:.3f} GB, out {summary.bytes_out / 1e9:.3f} GB; "
           f"{summary.seconds:.2f} s, {summary.gb_per_s:.3f} GB/s; "

@@ -195,7 +195,7 @@ class _Converter:
                 self.summary.tensors_out += len(group)
                 yield group
             self._track(-value_nbytes(value))
-            del value
+            value = part = None          # release the source tensor before the next one is read
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():

@@ -380,7 +380,8 @@ def test_cli_convert_prints_summary(tmp_path):
 def test_cli_error_is_clear_and_nonzero(tmp_path):
     run = subprocess.run([sys.executable, "-m", "server.cli", "convert", str(tmp_path / "nope"), str(tmp_path / "out")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0 and "no config.json" in run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == f"nvfp4-sampler convert: error: {tmp_path / 'nope'}: no config.json"
     assert not (tmp_path / "out").exists()
 
 
