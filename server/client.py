@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,6 +23,27 @@ from .settings import client_token
 from .wire import encode_frame, iter_entries, payload_nbytes
 
 Tensors = Mapping[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushResult:
+    """A committed push: the server's CommitResult plus this side's timings (seconds).
+    prepare: reading + converting to the wire layout; send: streaming the bodies (incl. resumes);
+    commit: the commit call (stage + apply on the server)."""
+
+    commit: CommitResult
+    payload_bytes: int
+    prepare_seconds: float
+    send_seconds: float
+    commit_seconds: float
+
+    @property
+    def weight_version(self) -> int:
+        return self.commit.weight_version
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prepare_seconds + self.send_seconds + self.commit_seconds
 
 
 class SidecarError(RuntimeError):
@@ -97,8 +119,8 @@ class SamplerClient:
     # ------------------------------------------------------------------ push
     def push(self, source: str | Path | Tensors | Iterable[tuple[str, torch.Tensor]], *, layout: str = "nvfp4",
              version: int | None = None, config: dict | None = None, recipe: str = "1d",
-             progress: bool = True) -> CommitResult:
-        """Push weights as one transaction and commit it; returns the commit result.
+             progress: bool = True) -> PushResult:
+        """Push weights as one transaction and commit it.
 
         source: a HF folder (safetensors), a checkpoint-named state dict, or (name, tensor) pairs.
         layout "nvfp4": quantized linears are converted here with `converters.iter_buckets` (needs the
@@ -107,7 +129,9 @@ class SamplerClient:
         version: the target version (default: current + 1). Dropped bodies are resumed: after an
         error the client asks for the missing tensors and re-sends only those (`retries` times).
         """
+        t0 = time.perf_counter()
         tensors = _collect(source, layout=layout, config=config, recipe=recipe)
+        t1 = time.perf_counter()
         entries = {e.name: e for e in iter_entries(tensors)}
         target = version if version is not None else self.version().weight_version + 1
         st = self.begin(target, list(entries.values()))
@@ -130,7 +154,9 @@ class SamplerClient:
                     bar.n = st.bytes_received
             if st.missing:
                 raise SidecarError(409, f"{len(st.missing)} tensor(s) still missing after {self.retries} retries")
-            return self.commit(st.update_id)
+            t2 = time.perf_counter()
+            commit = self.commit(st.update_id)
+            return PushResult(commit, total, t1 - t0, t2 - t1, time.perf_counter() - t2)
         except BaseException:
             if self.status(st.update_id).state == "open":
                 self.abort(st.update_id)

@@ -130,9 +130,9 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
         t = time.perf_counter()
         res = client.push(new_state, layout="nvfp4", config=hf_config, progress=False)
         timings["push v1: convert here + send + commit"] = time.perf_counter() - t
-        print(f"[4] pushed perturbed weights as NVFP4: {res.bytes / 1e6:.1f} MB, {res.tensors} tensors, "
-              f"version {v0} -> {res.weight_version} (stage {res.stage_seconds:.2f} s, apply "
-              f"{res.apply_seconds:.2f} s)")
+        print(f"[4] pushed perturbed weights as NVFP4: {res.payload_bytes / 1e6:.1f} MB, {res.commit.tensors} "
+              f"tensors, version {v0} -> {res.weight_version} (convert {res.prepare_seconds:.2f} s, send "
+              f"{res.send_seconds:.2f} s, commit {res.commit_seconds:.2f} s)")
 
         v1, lp1, timings["log-prob recompute, version 1"] = recompute()
         ref1 = _learner_logprobs(learner, seqs, PROMPT_TOKENS)

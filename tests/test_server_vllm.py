@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import signal
-import sys
 import threading
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 
 from server.client import SamplerClient, SidecarError
 from server.engines.vllm import vllm_server
-from server.process import ChildServer, free_port, sidecar
+from server.process import ChildServer, free_port, remote_sidecar, sidecar
 from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
 from server.wire import encode_frame, iter_entries
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, tensors
@@ -50,9 +49,7 @@ def engine(models, logs, fresh_b):
 
 
 def _sidecar_proc(engine_url: str, port: int, log) -> ChildServer:
-    cmd = [sys.executable, "-m", "server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port),
-           "--token", TOKEN]
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=120)
+    return remote_sidecar(engine_url, port=port, log=log, extra=["--token", TOKEN])
 
 
 @pytest.fixture(scope="module")
