@@ -1,0 +1,50 @@
+"""Harness of the SGLang engine tests (run in the SGLang venv: `make venv-sglang`, then
+`flock /tmp/nvfp4-engine.lock .venv-sglang/bin/python -m pytest -q tests/test_sglang_*.py`).
+
+SGLang 0.5.23 runs on a CPU-only torch here with two test-only helpers from tests/sglang_stubs,
+put on PYTHONPATH for the engine's spawned processes too: a torchvision import stub, and a
+`sglang.srt.plugins` entry point (sglang_cpu_harness) that selects torch-native rotary embeddings.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+STUBS = Path(__file__).parent / "sglang_stubs"
+if str(STUBS) not in sys.path:
+    sys.path.insert(0, str(STUBS))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS), os.environ.get("PYTHONPATH")) if p)
+# CPU tensors reach the scheduler process through torch.multiprocessing (update_weights_from_tensor).
+torch.multiprocessing.set_sharing_strategy("file_system")
+
+def make_engine(model, **kwargs):
+    """An SGLang CPU engine (torch-native attention and sampling, no CUDA graphs, 4096 KV tokens)."""
+    import sglang as sgl
+
+    return sgl.Engine(model_path=str(model), device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+                      disable_cuda_graph=True, max_total_tokens=4096, random_seed=0, log_level="error", **kwargs)
+
+
+def prompt_logprobs(engine, ids: list[list[int]]) -> torch.Tensor:
+    """float64 [sum(len - 1)]: log p(token_t | tokens_<t) of every prompt token after the first."""
+    outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           return_logprob=True, logprob_start_len=0)
+    lps = []
+    for out, i in zip(outs, ids):
+        entries = out["meta_info"]["input_token_logprobs"]          # [(logprob, token_id, text)]
+        assert [tok for _, tok, _ in entries] == i
+        lps += [lp for lp, _, _ in entries[1:]]
+    return torch.tensor(lps, dtype=torch.float64)
+
+
+def update(engine, tensors: dict[str, torch.Tensor]) -> None:
+    """One SGLang weight-update session: begin, update_weights_from_tensor(checkpoint-named tensors), end."""
+    steps = (("begin_weight_update", engine.begin_weight_update),
+             ("update_weights_from_tensor", lambda: engine.update_weights_from_tensor(list(tensors.items()))),
+             ("end_weight_update", engine.end_weight_update))
+    for step, call in steps:
+        success, message = call()
+        assert success, f"{step}: {message}"

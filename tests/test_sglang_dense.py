@@ -1,0 +1,109 @@
+"""SGLang nvfp4_sampler on a tiny random Qwen3 (dense): numerics, pre-quantized load, in-place updates.
+
+Two real SGLang CPU engines per module, in float32 so that the comparison with the pure-torch forward
+is not lost in BF16 rounding (a W4A4 model flips activation codes on one-ulp differences):
+  online   -- BF16 checkpoint of seed 0, quantized at load (`quantization="nvfp4_sampler"`)
+  prequant -- the converter's sampler checkpoint of seed 1 (quant_method read from config.json)
+Run in the SGLang venv (see tests/sglang_helpers.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from converters.convert import convert  # noqa: E402
+from tests import models  # noqa: E402
+from tests.sglang_helpers import make_engine, prompt_logprobs, update  # noqa: E402
+from tests.vllm_helpers import reference_logprobs, reference_model, token_ids  # noqa: E402
+
+pytestmark = pytest.mark.engine
+# float32 engine vs float32 torch forward: same codes unless an activation sits within float32
+# rounding of an E2M1/E4M3 decision point; measured max |diff| below 1e-4 on these prompts.
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_dense")
+    paths = {f"bf16_{s}": models.tiny_qwen3(d / f"bf16_{s}", seed=s) for s in (0, 1)}
+    for s in (0, 1):
+        convert(paths[f"bf16_{s}"], d / f"pq_{s}")
+        paths[f"pq_{s}"] = d / f"pq_{s}"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ids(ckpts):
+    return token_ids(ckpts["bf16_0"])
+
+
+def tensors(path) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor of the HF folder `path` (all safetensors shards)."""
+    return {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def online(ckpts):
+    engine = make_engine(ckpts["bf16_0"], quantization="nvfp4_sampler", dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prequant(ckpts):
+    engine = make_engine(ckpts["pq_1"], dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(online, ids):
+    """Log-probs of the online engine as loaded (seed 0), before any update."""
+    return prompt_logprobs(online, ids)
+
+
+def test_online_logprobs_equal_torch_reference(ckpts, ids, base):
+    ref = reference_logprobs(reference_model(ckpts["bf16_0"]), ids)
+    assert (base - ref).abs().max().item() < TOL
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(str(ckpts["bf16_0"]), dtype=torch.float32).eval()
+    # the engine is W4A4, not the unquantized model: quantization moves log-probs by far more than TOL
+    assert (base - reference_logprobs(bf16, ids)).abs().max().item() > 20 * TOL
+
+
+def test_prequantized_logprobs_equal_torch_reference(ckpts, ids, prequant):
+    ref = reference_logprobs(reference_model(ckpts["bf16_1"]), ids)
+    assert (prompt_logprobs(prequant, ids) - ref).abs().max().item() < TOL
+
+
+def test_bf16_update_equals_fresh_engine(ckpts, ids, online, prequant, base):
+    """All tensors of seed 1 in BF16, quantized on arrival == a fresh engine loaded with seed 1."""
+    update(online, tensors(ckpts["bf16_1"]))
+    updated = prompt_logprobs(online, ids)
+    assert (updated - base).abs().max().item() > 20 * TOL
+    assert torch.equal(updated, prompt_logprobs(prequant, ids))
+
+
+def test_nvfp4_update_restores_exactly(ckpts, ids, online, base):
+    """Seed 1, then the pre-quantized triplets (and BF16 norms/embeddings) of seed 0: log-probs as loaded."""
+    update(online, tensors(ckpts["bf16_1"]))
+    update(online, tensors(ckpts["pq_0"]))
+    assert torch.equal(prompt_logprobs(online, ids), base)
+
+
+@pytest.mark.parametrize("payload", ["bf16", "pq"])
+def test_single_shard_update(ckpts, ids, online, payload):
+    """Only k_proj of layer 0 (one shard of the fused qkv_proj) from seed 1: the other shards keep seed 0."""
+    update(online, tensors(ckpts["pq_0"]))
+    prefix = "model.layers.0.self_attn.k_proj"
+    new = {n: t for n, t in tensors(ckpts[f"{payload}_1"]).items() if n.startswith(prefix + ".")}
+    assert len(new) == (1 if payload == "bf16" else 3)
+    update(online, new)
+    seed1 = tensors(ckpts["bf16_1"])
+    ref = reference_model(ckpts["bf16_0"], state={f"{prefix}.weight": seed1[f"{prefix}.weight"]})
+    assert (prompt_logprobs(online, ids) - reference_logprobs(ref, ids)).abs().max().item() < TOL
