@@ -9,9 +9,10 @@ in-memory learner state dict through `iter_buckets` (no disk), for each source k
   te-2d               TransformerEngine NVFP4 storage (compact padded scales): a lossless byte copy
   keep-bf16           all linears kept BF16 (the streaming floor: NaN check + bucketing)
 each with and without the per-tensor error report. Also one end-to-end file conversion (HF folder
--> sampler folder) of the same tensors. GB/s counts source bytes (BF16 bytes for BF16 sources).
+-> sampler folder) of the same tensors. GB/s counts source bytes (BF16 bytes for BF16 sources);
+seconds are the best of --repeat runs.
 
-Usage: python bench/bench_convert_cpu.py [--experts 8] [--threads 2] [--device cpu|cuda]
+Usage: python bench/bench_convert_cpu.py [--experts 8] [--threads 2] [--device cpu|cuda] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=3, help="best of N runs (the CPU machine is shared)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     weights = layer_weights(args.experts, args.device)
@@ -91,7 +93,7 @@ def main() -> None:
         for report in (True, False):
             if args.device != "cpu":
                 run(tensors, args.device, report=report, **opts)      # warm-up (kernel compilation)
-            secs = run(tensors, args.device, report=report, **opts)
+            secs = min(run(tensors, args.device, report=report, **opts) for _ in range(args.repeat))
             rows.append({"source": label, "report": report, "seconds": round(secs, 3),
                          "GB/s (BF16-equivalent)": round(bf16_bytes / secs / 1e9, 4)})
     with tempfile.TemporaryDirectory() as tmp:
