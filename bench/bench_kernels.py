@@ -39,9 +39,8 @@ ACT_SWEEP = [dict(elements=e, num_warps=w, persist_stages=p) for e, w, p in
               (4096, 4, 2), (8192, 8, 2)]]
 WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
                 [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
-DECODE_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=512), dict(num_warps=8, num_stages=4),
-                dict(block_n=128, block_k=512, num_warps=8), dict(min_programs=528, num_stages=4),
-                dict(block_n=32, block_k=512, num_stages=4)]
+DECODE_SWEEP = [dict(), dict(block_k=128), dict(block_n=32), dict(block_n=128, num_warps=8), dict(num_warps=8),
+                dict(block_k=128, num_warps=8), dict(min_programs=528), dict(min_programs=132), dict(num_stages=3)]
 
 
 def graph_ms(fn) -> float:

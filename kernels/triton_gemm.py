@@ -34,7 +34,7 @@ import triton.language as tl
 from . import triton_quant
 from .format import NVFP4Tensor
 
-PACKED_MAX_M = 512
+PACKED_MAX_M = 128
 PATH_COUNTS: collections.Counter = collections.Counter()   # path name -> calls (what the dispatcher chose)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -107,6 +107,18 @@ def _decode(packed, scales, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_packed(codes, scales, rows64, rmask, k0, k_end, KH: tl.constexpr, KB: tl.constexpr, K):
+    """Packed bytes [R, KH] and e4m3 scales [R, KB] of rows (row length K) at element offset k0,
+    masked at and beyond element k_end."""
+    kh = k0 // 2 + tl.arange(0, KH)
+    kb = k0 // 16 + tl.arange(0, KB)
+    c = tl.load(codes + rows64[:, None] * (K // 2) + kh[None, :], mask=rmask[:, None] & (kh < k_end // 2)[None, :], other=0)
+    s = tl.load(scales + rows64[:, None] * (K // 16) + kb[None, :], mask=rmask[:, None] & (kb < k_end // 16)[None, :],
+                other=0.0)
+    return c, s
+
+
+@triton.jit
 def _w4a4_kernel(
     # activations, per-token quantized: codes [*, K/2], scales [*, K/16], S_dec [*] (stride 0: per tensor)
     a_codes, a_scales, a_gs, stride_a_gs,
@@ -147,33 +159,32 @@ def _w4a4_kernel(
         k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per
         k_hi = tl.minimum(k_lo + k_per, K)
-        kh = tl.arange(0, KH)
-        kb = tl.arange(0, KB)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        # register prefetch two K steps deep: the packed bytes of steps k+1 and k+2 are in flight
+        # while step k is decoded (Triton does not pipeline loads that do not feed tl.dot)
+        a_c, a_s = _load_packed(a_codes, a_scales, arow, rmask, k_lo, k_hi, KH, KB, K)
+        w_c, w_s = _load_packed(w_codes, w_scales, wrow, cmask, k_lo, k_hi, KH, KB, K)
+        a_c1, a_s1 = _load_packed(a_codes, a_scales, arow, rmask, k_lo + BLOCK_K, k_hi, KH, KB, K)
+        w_c1, w_s1 = _load_packed(w_codes, w_scales, wrow, cmask, k_lo + BLOCK_K, k_hi, KH, KB, K)
+        if SWIGLU:
+            u_c, u_s = _load_packed(w_codes, w_scales, wrow + N, cmask, k_lo, k_hi, KH, KB, K)
+            u_c1, u_s1 = _load_packed(w_codes, w_scales, wrow + N, cmask, k_lo + BLOCK_K, k_hi, KH, KB, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            bmask = (k0 // 2 + kh) < K // 2
-            smask = (k0 // 16 + kb) < K // 16
-            ac = tl.load(a_codes + arow[:, None] * (K // 2) + k0 // 2 + kh[None, :],
-                         mask=rmask[:, None] & bmask[None, :], other=0)
-            asc = tl.load(a_scales + arow[:, None] * (K // 16) + k0 // 16 + kb[None, :],
-                          mask=rmask[:, None] & smask[None, :], other=0.0)
-            a_lo, a_hi = _decode(ac, asc, USE_ASM)
-            wc = tl.load(w_codes + wrow[:, None] * (K // 2) + k0 // 2 + kh[None, :],
-                         mask=cmask[:, None] & bmask[None, :], other=0)
-            wsc = tl.load(w_scales + wrow[:, None] * (K // 16) + k0 // 16 + kb[None, :],
-                          mask=cmask[:, None] & smask[None, :], other=0.0)
-            w_lo, w_hi = _decode(wc, wsc, USE_ASM)
+            a_c2, a_s2 = _load_packed(a_codes, a_scales, arow, rmask, k0 + 2 * BLOCK_K, k_hi, KH, KB, K)
+            w_c2, w_s2 = _load_packed(w_codes, w_scales, wrow, cmask, k0 + 2 * BLOCK_K, k_hi, KH, KB, K)
+            a_lo, a_hi = _decode(a_c, a_s, USE_ASM)
+            w_lo, w_hi = _decode(w_c, w_s, USE_ASM)
             acc = tl.dot(w_lo, tl.trans(a_lo), acc)
             acc = tl.dot(w_hi, tl.trans(a_hi), acc)
             if SWIGLU:
-                wc = tl.load(w_codes + (wrow + N)[:, None] * (K // 2) + k0 // 2 + kh[None, :],
-                             mask=cmask[:, None] & bmask[None, :], other=0)
-                wsc = tl.load(w_scales + (wrow + N)[:, None] * (K // 16) + k0 // 16 + kb[None, :],
-                              mask=cmask[:, None] & smask[None, :], other=0.0)
-                u_lo, u_hi = _decode(wc, wsc, USE_ASM)
+                u_c2, u_s2 = _load_packed(w_codes, w_scales, wrow + N, cmask, k0 + 2 * BLOCK_K, k_hi, KH, KB, K)
+                u_lo, u_hi = _decode(u_c, u_s, USE_ASM)
                 acc_u = tl.dot(u_lo, tl.trans(a_lo), acc_u)
                 acc_u = tl.dot(u_hi, tl.trans(a_hi), acc_u)
+                u_c, u_s, u_c1, u_s1 = u_c1, u_s1, u_c2, u_s2
+            a_c, a_s, a_c1, a_s1 = a_c1, a_s1, a_c2, a_s2
+            w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
         omask = cmask[:, None] & rmask[None, :]
         o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
         if SPLIT_K > 1:
@@ -189,12 +200,12 @@ def _w4a4_kernel(
         else:
             last = True
         if last:
-            a_s = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
-            w_s = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
-            val = acc * a_s[None, :] * w_s[:, None]
+            a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
+            w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
+            val = acc * a_g[None, :] * w_g[:, None]
             if SWIGLU:
                 w_su = tl.load(w_gs + e * stride_gs_e + (cols + N) * stride_gs_n, mask=cmask, other=0.0)
-                up = acc_u * a_s[None, :] * w_su[:, None]
+                up = acc_u * a_g[None, :] * w_su[:, None]
                 val = val / (1.0 + tl.exp(-val)) * up
             if ROW_WEIGHT:
                 val = val * tl.load(row_weight + rows, mask=rmask, other=0.0)[None, :]
@@ -248,14 +259,14 @@ def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Te
     return ws, cnt
 
 
-def packed_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 256,
-                  num_warps: int = 4, num_stages: int = 3, min_programs: int = 264) -> dict:
+def packed_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                  num_stages: int = 1, min_programs: int = 264) -> dict:
     """Launch configuration of the packed kernel for out [m, n], reduction k.
 
     Decode sizes are memory bound: BLOCK_N 64 and split-K until about `min_programs` programs
-    (2 per SM of an H200) keep enough weight bytes in flight; larger m takes larger tiles."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = block_n or (64 if m <= 64 else 128)
+    (2 per SM of an H200) keep enough weight bytes in flight. Tiles stay small because the
+    in-register decode is register hungry (16x64x64 with 4 warps: ~90 registers, sm_90)."""
+    block_m = 16 if m <= 16 else 32
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split_k = 1
     while tiles * split_k < min_programs and k // (block_k * split_k * 2) >= 2:

@@ -23,7 +23,7 @@ from .format import NVFP4Tensor
 def moe_block_m(pairs: int, num_experts: int) -> int:
     """Rows per grouped-GEMM tile from the mean rows per expert."""
     mean = pairs / num_experts
-    return 16 if mean <= 16 else (32 if mean <= 32 else 64)
+    return 16 if mean <= 16 else 32
 
 
 def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -68,7 +68,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     bm = moe_block_m(p, e)
     order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
     schedule = (tile_expert, tile_start, tile_end)
-    cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=3)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
     a = triton_quant.quantize_per_token(x)
     token = (order // k).to(torch.int32)
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
