@@ -226,7 +226,7 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
-def print_tables(records: list[dict], device: str) -> None:
+def print_tables(records: list[dict], device: str, print=print) -> None:
     print(f"\n# {device}")
     by = lambda kind: [r for r in records if r["kind"] == kind]
     for r in by("copy"):
@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         json.dump(dict(device=device, seconds=time.time() - start, records=records), f, indent=1)
     print_tables(records, device)
+    with open(args.json.rsplit(".", 1)[0] + ".txt", "w") as f:
+        print_tables(records, device, print=lambda *a: f.write(" ".join(map(str, a)) + "\n"))
     return 0
 
 
