@@ -190,7 +190,8 @@ def bf16_grouped_moe(x, w13_t, w2_t, topk_w, topk_ids):
     e, _, two_i = w13_t.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    counts = torch.zeros(e, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     h = torch._grouped_mm(x[order // k], w13_t, offs=offs)
     act = torch.nn.functional.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]
     y = torch._grouped_mm(act, w2_t, offs=offs).float() * topk_w.reshape(-1)[order, None]

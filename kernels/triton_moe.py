@@ -31,12 +31,12 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
     Returns (order int64 [P]: pair ids sorted by expert, stable; tile_expert, tile_start, tile_end
     int32 [P // block_m + E]: expert and sorted-row range of each tile; unused tiles have an empty
-    range). No host synchronization.
+    range). No host synchronization (torch.bincount would sync on CUDA), so CUDA graphs can capture it.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     p = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
     ends = torch.cumsum(counts, 0)
     starts = ends - counts
     tiles = (counts + block_m - 1) // block_m
