@@ -43,10 +43,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     engine = engine if engine is not None else make_engine(settings)
     lock = RWLock()
     metrics = Metrics()
-    state = {"version": 0, "waiting": 0}
+    state = {"waiting": 0}
 
     def on_commit(result: CommitResult) -> None:
-        state["version"] = result.weight_version
         metrics.version.set(result.weight_version)
         metrics.update_bytes.set(result.bytes)
         metrics.bytes_total.inc(result.bytes)
@@ -60,8 +59,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
-        state["version"] = await engine.weight_version()
-        metrics.version.set(state["version"])
+        updates.version = await engine.weight_version()
+        metrics.version.set(updates.version)
         try:
             yield
         finally:
@@ -74,7 +73,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     @app.exception_handler(EngineError)
     async def _refused(request: Request, exc: UpdateError | EngineError):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status,
-                            headers={WEIGHT_VERSION_HEADER: str(state["version"])})
+                            headers={WEIGHT_VERSION_HEADER: str(updates.version)})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -98,7 +97,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
             async with lock.read():
                 state["waiting"] -= 1
                 acquired = True
-                yield state["version"]
+                yield updates.version
         finally:
             if not acquired:
                 state["waiting"] -= 1
@@ -106,7 +105,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     # ------------------------------------------------------------------ health, metrics, version
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": state["version"]}
+        return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": updates.version}
 
     @app.get("/metrics")
     async def prometheus():
@@ -115,13 +114,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     @app.get("/v1/weights/version", response_model=VersionInfo)
     async def version():
         cur = updates.current
-        return VersionInfo(weight_version=state["version"], model=engine.model_id, engine=engine.kind,
+        return VersionInfo(weight_version=updates.version, model=engine.model_id, engine=engine.kind,
                            update=cur.status() if cur is not None and cur.state == "open" else None)
 
     # ------------------------------------------------------------------ update transactions
     @app.post("/v1/weights/updates", response_model=UpdateStatus, status_code=201, dependencies=[Depends(authorized)])
     async def begin(req: BeginRequest):
-        return updates.begin(req, state["version"])
+        return updates.begin(req)
 
     @app.get("/v1/weights/updates/{update_id}", response_model=UpdateStatus)
     async def update_status(update_id: str):

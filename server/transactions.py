@@ -96,9 +96,10 @@ class UpdateManager:
         self.lock = lock
         self.on_commit = on_commit
         self.current: Update | None = None
+        self.version = 0                                     # the serving version (set by the app at start)
         self._commit_lock = asyncio.Lock()
 
-    def begin(self, req: BeginRequest, current_version: int) -> UpdateStatus:
+    def begin(self, req: BeginRequest) -> UpdateStatus:
         cur = self.current
         if cur is not None and cur.state == "open":
             idle = time.monotonic() - cur.last_activity
@@ -106,9 +107,9 @@ class UpdateManager:
                 raise UpdateError(f"update {cur.id} (to version {cur.target_version}) is in progress; "
                                   f"commit or abort it first", status=409)
             cur.state = "aborted"                            # stale: its client went away
-        if req.target_version <= current_version:
+        if req.target_version <= self.version:
             raise UpdateError(f"target_version {req.target_version} must be greater than the current "
-                              f"version {current_version}", status=409)
+                              f"version {self.version}", status=409)
         problems = []
         for e in req.manifest:
             spec: TensorSpec | None = self.engine.specs.get(e.name)
@@ -184,6 +185,7 @@ class UpdateManager:
             try:
                 async with self.lock.write():
                     report = await self.engine.apply_update(path, u.target_version)
+                    self.version = u.target_version         # before any reader can run again
             except BaseException:
                 u.state = "aborted"                          # the engine refused it: nothing applied
                 raise
