@@ -108,6 +108,8 @@ def smollm2(path: str | os.PathLike | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.hf_quantizer = None                  # weights are dequantized BF16; transformers 5 refuses to
+    del model.config.quantization_config       # save a model loaded from GGUF unless the GGUF marks go
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(src, gguf_file=gguf.name).save_pretrained(tmp)
     (tmp / ".complete").touch()
