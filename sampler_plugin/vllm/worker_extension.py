@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from .. import layers
 from .linear import NVFP4LinearMethod
@@ -49,6 +49,17 @@ def reload_targets(model: torch.nn.Module) -> dict[str, layers.Target]:
     return targets
 
 
+def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
+    """Re-run process_weights_after_loading of the non-NVFP4 modules whose tensors were rewritten: on
+    CPU vLLM computes lm_head (and tied embeddings) from a packed copy made there."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or isinstance(method, (NVFP4LinearMethod, NVFP4MoEMethod)):
+            continue
+        if any(p.data_ptr() in written for p in module.parameters(recurse=False)):
+            method.process_weights_after_loading(module)
+
+
 class NVFP4SamplerWorkerExtension:
     """Mixed into vLLM's worker class; methods run on every worker via `collective_rpc`."""
 
@@ -65,12 +76,32 @@ class NVFP4SamplerWorkerExtension:
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
             raise ValueError("nvfp4_apply_update needs an engine started with quantization='nvfp4_sampler'")
         config = quant_config.sampler
+        targets = reload_targets(model)
         with torch.no_grad():
-            names = layers.apply_update(reload_targets(model), tensors, config=config)
+            names = layers.apply_update(targets, tensors, config=config)
+            _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names if n in targets})
         self.nvfp4_version = int(version)
         return {"version": self.nvfp4_version, "tensors": len(names),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                 "seconds": time.perf_counter() - start}
+
+    def nvfp4_save_state(self, path: str) -> int:
+        """Write every reloadable tensor under its checkpoint name to the safetensors file `path`
+        (NVFP4 triplets in the sampler checkpoint layout; rank-local with tensor parallelism).
+        Returns the number of tensors written."""
+        out: dict[str, torch.Tensor] = {}
+        for name, target in reload_targets(self.model_runner.model).items():
+            if target.param is not None:
+                out[name] = target.param.clone()
+            else:
+                out.update({f"{name}.{k}": t for k, t in layers.read(target.weight, target.shard).items()})
+        save_file(out, path)
+        return len(out)
+
+    def nvfp4_memory(self) -> dict:
+        """{"layers", "bytes", "bf16_bytes", "ratio"} of the quantized layers as loaded."""
+        m = self.vllm_config.quant_config.memory
+        return {"layers": m.created, "bytes": m.nbytes, "bf16_bytes": m.bf16_nbytes, "ratio": m.ratio}
 
     def nvfp4_weight_version(self) -> int:
         """Version set by the last successful nvfp4_apply_update (0 = the weights loaded at start)."""
