@@ -254,6 +254,24 @@ def test_tp_shards_concatenate_to_the_unsharded_checkpoint(tmp_path):
     assert schema.tp_dim("model.layers.0.mlp.down_proj.weight") == 1
 
 
+def test_tp_splits_qwen2_biases_with_their_columns(tmp_path):
+    config = {**CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+              "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64, "head_dim": 32,
+              "intermediate_size": 64}
+    weights = _weights(config=config)
+    for leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        n = weights[f"model.layers.0.self_attn.{leaf}.weight"].shape[0]
+        weights[f"model.layers.0.self_attn.{leaf}.bias"] = torch.arange(n, dtype=torch.bfloat16)
+    convert(StateDictSource(weights, config=config), tmp_path / "tp2", ConvertOptions(tp=2))
+    ranks = [_read(tmp_path / "tp2" / schema.RANK_DIR.format(rank=r)) for r in range(2)]
+    q_bias = weights["model.layers.0.self_attn.q_proj.bias"]
+    assert _bits_equal(ranks[1]["model.layers.0.self_attn.q_proj.bias"], q_bias[32:])      # column-parallel: split
+    assert _bits_equal(ranks[1]["model.layers.0.self_attn.o_proj.bias"],
+                       weights["model.layers.0.self_attn.o_proj.bias"])                    # row-parallel: replicated
+    assert tuple(ranks[0]["model.layers.0.self_attn.q_proj.weight"].shape) == (32, 32)      # [N/2, K/2 bytes]
+    assert tuple(ranks[0]["model.layers.0.self_attn.o_proj.weight_scale"].shape) == (64, 2)  # [N, K/16/2]
+
+
 def test_tp_refuses_row_split_off_block_boundary(tmp_path):
     # down_proj K=48: 24 per rank, not a multiple of 16 (heads are divisible by 2)
     config = {**CONFIG, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 48}
