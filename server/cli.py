@@ -120,7 +120,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("demo", help="the whole loop on SmolLM2-135M: convert, serve, chat, push, log-probs")
     p.add_argument("--engine", choices=("auto", "vllm", "embedded"), default="auto")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=None, help="sidecar port (default: a free one)")
     p.set_defaults(func=_demo)
 
 

@@ -42,8 +42,8 @@ class ChildServer:
                 raise RuntimeError(f"{self.cmd[:4]} exited with {self.proc.returncode} before it was ready; "
                                    f"last log lines:\n{self.tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200 and self.proc.poll() is None:
+                    return self                   # (poll: another server on our port would also answer)
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
