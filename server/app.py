@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import time
 
 from fastapi import Depends, FastAPI, Request
@@ -105,7 +106,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     # ------------------------------------------------------------------ health, metrics, version
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": updates.version}
+        return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": updates.version,
+                "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():

@@ -25,9 +25,10 @@ class ChildServer:
     """`cmd` started in its own process group, output to `log`; `url` is ready once /health is 200."""
 
     def __init__(self, cmd: list[str], *, url: str, log: str | Path, env: dict[str, str] | None = None,
-                 env_defaults: dict[str, str] | None = None, timeout_s: float = 600.0):
-        """env: set for the child; env_defaults: set unless the parent environment has them."""
-        self.cmd, self.url, self.log, self.timeout_s = cmd, url, Path(log), timeout_s
+                 env_defaults: dict[str, str] | None = None, timeout_s: float = 600.0, check_pid: bool = False):
+        """env: set for the child; env_defaults: set unless the parent environment has them;
+        check_pid: /health answers {"pid": ...} and it must be the child's (not another server's)."""
+        self.cmd, self.url, self.log, self.timeout_s, self.check_pid = cmd, url, Path(log), timeout_s, check_pid
         self.env = {**(env_defaults or {}), **os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
@@ -42,8 +43,9 @@ class ChildServer:
                 raise RuntimeError(f"{self.cmd[:4]} exited with {self.proc.returncode} before it was ready; "
                                    f"last log lines:\n{self.tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200 and self.proc.poll() is None:
-                    return self                   # (poll: another server on our port would also answer)
+                r = httpx.get(f"{self.url}/health", timeout=2.0)
+                if r.status_code == 200 and (not self.check_pid or r.json().get("pid") == self.proc.pid):
+                    return self
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
@@ -76,7 +78,7 @@ def sidecar(model: str | Path, *, engine: str, port: int | None = None, log: str
     """A `nvfp4-sampler serve MODEL --engine ENGINE` child on 127.0.0.1 (not started)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--engine", engine, "--port", str(port), *extra]
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s)
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s, check_pid=True)
 
 
 def remote_sidecar(engine_url: str, *, port: int | None = None, log: str | Path, extra: list[str] = (),
@@ -84,4 +86,4 @@ def remote_sidecar(engine_url: str, *, port: int | None = None, log: str | Path,
     """A `nvfp4-sampler sidecar --engine-url URL` child on 127.0.0.1 (not started)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port), *extra]
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=timeout_s)
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=timeout_s, check_pid=True)
