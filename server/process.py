@@ -4,6 +4,7 @@ Used by the vLLM adapter (the vLLM OpenAI server), the demo, the benchmark and t
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -13,6 +14,14 @@ import time
 from pathlib import Path
 
 import httpx
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -33,10 +42,18 @@ class ChildServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ChildServer":
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child; it gets SIGTERM if this thread's process dies (Linux PR_SET_PDEATHSIG), so a
+        killed parent leaves no orphan engine. Call from a long-lived thread (the signal follows it)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def wait_ready(self) -> "ChildServer":
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -57,7 +57,8 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         if self.child is not None:
-            await asyncio.to_thread(self.child.start)
+            self.child.spawn()                               # on the event-loop thread (see ChildServer.spawn)
+            await asyncio.to_thread(self.child.wait_ready)
         self.http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=10.0))
         models = (await self._post("GET", "/v1/models")).json()["data"][0]
         self.model_id = models["id"]
