@@ -17,8 +17,6 @@ STUBS = Path(__file__).parent / "sglang_stubs"
 if str(STUBS) not in sys.path:
     sys.path.insert(0, str(STUBS))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(STUBS), os.environ.get("PYTHONPATH")) if p)
-# CPU tensors reach the scheduler process through torch.multiprocessing (update_weights_from_tensor).
-torch.multiprocessing.set_sharing_strategy("file_system")
 
 def make_engine(model, **kwargs):
     """An SGLang CPU engine (torch-native attention and sampling, no CUDA graphs, 4096 KV tokens)."""

@@ -1,6 +1,8 @@
-"""SGLang nvfp4_sampler on a tiny random Qwen3 (dense): numerics, pre-quantized load, in-place updates.
+"""SGLang nvfp4_sampler on tiny random Qwen3 (dense) and Qwen3-MoE models: numerics, pre-quantized
+load, in-place updates through SGLang's begin_weight_update / update_weights_from_tensor /
+end_weight_update.
 
-Two real SGLang CPU engines per module, in float32 so that the comparison with the pure-torch forward
+Two real SGLang CPU engines per model, in float32 so that the comparison with the pure-torch forward
 is not lost in BF16 rounding (a W4A4 model flips activation codes on one-ulp differences):
   online   -- BF16 checkpoint of seed 0, quantized at load (`quantization="nvfp4_sampler"`)
   prequant -- the converter's sampler checkpoint of seed 1 (quant_method read from config.json)
@@ -8,12 +10,14 @@ Run in the SGLang venv (see tests/sglang_helpers.py).
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from converters.convert import convert  # noqa: E402
 from tests import models  # noqa: E402
@@ -24,26 +28,38 @@ pytestmark = pytest.mark.engine
 # float32 engine vs float32 torch forward: same codes unless an activation sits within float32
 # rounding of an E2M1/E4M3 decision point; measured max |diff| below 1e-4 on these prompts.
 TOL = 1e-3
+# Per model: its builder and one checkpoint tensor that is a single shard of a fused SGLang parameter.
+KINDS = {
+    "dense": (models.tiny_qwen3, "model.layers.0.self_attn.k_proj"),        # of qkv_proj
+    "moe": (models.tiny_qwen3_moe, "model.layers.1.mlp.experts.3.up_proj"),  # of experts.w13_weight
+}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def kind(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang_dense")
-    paths = {f"bf16_{s}": models.tiny_qwen3(d / f"bf16_{s}", seed=s) for s in (0, 1)}
+def ckpts(kind, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"sglang_{kind}")
+    build = KINDS[kind][0]
+    paths = {"dir": d}
     for s in (0, 1):
+        paths[f"bf16_{s}"] = build(d / f"bf16_{s}", seed=s)
         convert(paths[f"bf16_{s}"], d / f"pq_{s}")
         paths[f"pq_{s}"] = d / f"pq_{s}"
     return paths
 
 
-@pytest.fixture(scope="module")
-def ids(ckpts):
-    return token_ids(ckpts["bf16_0"])
-
-
 def tensors(path) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor of the HF folder `path` (all safetensors shards)."""
     return {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def ids(ckpts):
+    return token_ids(ckpts["bf16_0"])
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +113,18 @@ def test_nvfp4_update_restores_exactly(ckpts, ids, online, base):
 
 
 @pytest.mark.parametrize("payload", ["bf16", "pq"])
-def test_single_shard_update(ckpts, ids, online, payload):
-    """Only k_proj of layer 0 (one shard of the fused qkv_proj) from seed 1: the other shards keep seed 0."""
+def test_single_shard_update(kind, ckpts, ids, online, payload):
+    """One shard of a fused parameter from seed 1 (BF16 weight or NVFP4 triplet): the others keep seed 0."""
+    prefix = KINDS[kind][1]
     update(online, tensors(ckpts["pq_0"]))
-    prefix = "model.layers.0.self_attn.k_proj"
     new = {n: t for n, t in tensors(ckpts[f"{payload}_1"]).items() if n.startswith(prefix + ".")}
     assert len(new) == (1 if payload == "bf16" else 3)
     update(online, new)
-    seed1 = tensors(ckpts["bf16_1"])
-    ref = reference_model(ckpts["bf16_0"], state={f"{prefix}.weight": seed1[f"{prefix}.weight"]})
-    assert (prompt_logprobs(online, ids) - reference_logprobs(ref, ids)).abs().max().item() < TOL
+    # reference: the seed-0 BF16 checkpoint with that one tensor from seed 1
+    mixed = ckpts["dir"] / f"mixed_{payload}"
+    shutil.copytree(ckpts["bf16_0"], mixed, dirs_exist_ok=True)
+    state = tensors(ckpts["bf16_0"])
+    state[f"{prefix}.weight"] = tensors(ckpts["bf16_1"])[f"{prefix}.weight"]
+    save_file(state, mixed / "model.safetensors", metadata={"format": "pt"})
+    ref = reference_logprobs(reference_model(mixed), ids)
+    assert (prompt_logprobs(online, ids) - ref).abs().max().item() < TOL
