@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# SGLang's tests run in a venv of their own: sglang pins a CUDA torch and fights vLLM's pins (docs/SGLANG.md).
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: venv demo test test-gpu bench clean
+.PHONY: venv venv-sglang demo test test-gpu bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,15 +20,26 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+$(SGLANG_STAMP): pyproject.toml tests/sglang-requirements.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r tests/sglang-requirements.txt
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+venv-sglang: $(SGLANG_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/nvfp4-sampler demo
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(SGLANG_VENV)/bin/python -m pytest -q -m "not gpu" tests/test_sglang_*.py
 
 # On the H200 (device tool): see README "GPU tests".
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -1,0 +1,116 @@
+"""The SGLang adapter without an engine: registration, config parsing, per-layer method choice, and a
+real SGLang ReplicatedLinear loaded, applied and updated through the nvfp4_sampler linear method.
+Run in the SGLang venv (see tests/sglang_helpers.py)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+import tests.sglang_helpers  # noqa: E402,F401  (torchvision stub on sys.path before SGLang's layers)
+from kernels import reference  # noqa: E402
+from sampler_plugin import sglang as adapter  # noqa: E402
+from sampler_plugin.config import SamplerConfig  # noqa: E402
+
+PREFIX = "model.layers.0.self_attn.o_proj"
+
+
+@pytest.fixture(scope="module")
+def config_cls():
+    adapter.register()
+    adapter.register()                       # idempotent: SGLang may call it again in the same process
+    from sampler_plugin.sglang.config import NVFP4SamplerConfig
+
+    return NVFP4SamplerConfig
+
+
+def test_register_adds_method_and_cli_choice(config_cls):
+    from sglang.srt.arg_groups.choices import QUANTIZATION_CHOICES
+    from sglang.srt.layers.quantization import get_quantization_config
+    from sglang.srt.server_args import ServerArgs
+
+    assert get_quantization_config("nvfp4_sampler") is config_cls
+    assert QUANTIZATION_CHOICES.count("nvfp4_sampler") == 1
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--quantization", "nvfp4_sampler"])
+    assert args.quantization == "nvfp4_sampler"
+
+
+def test_from_config_takes_sglang_keys_and_rejects_unknown_options(config_cls):
+    cfg = config_cls.from_config({**SamplerConfig(keep_bf16=("model.layers.0.",), prequantized=True).to_dict(),
+                                  "packed_modules_mapping": {"w12": ["w1", "w2"]}, "hf_config": object()})
+    assert cfg.sampler == SamplerConfig(keep_bf16=("model.layers.0.",), prequantized=True)
+    assert cfg.shard_names("model.layers.1.mlp.w12") == ["model.layers.1.mlp.w1", "model.layers.1.mlp.w2"]
+    assert cfg.shard_names("model.layers.1.self_attn.qkv_proj") == [
+        f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    with pytest.raises(ValueError, match="unknown quantization_config option.*'block'"):
+        config_cls.from_config({"quant_method": "nvfp4_sampler", "block": 32})
+
+
+def test_method_choice_follows_policy(config_cls):
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from sampler_plugin.sglang.linear import NVFP4LinearMethod
+
+    cfg = config_cls(SamplerConfig(keep_bf16=("model.layers.1.mlp.up_proj",)))
+    layer = LinearBase(16, 16)
+    for prefix in ("lm_head", "model.layers.0.mlp.gate", "model.layers.2.self_attn.qkv_proj"):
+        method = cfg.get_quant_method(layer, prefix)
+        assert isinstance(method, UnquantizedLinearMethod if "qkv" not in prefix else NVFP4LinearMethod), prefix
+    assert cfg.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj").shard_names == [
+        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    with pytest.raises(ValueError, match="splits the fused module model.layers.1.mlp.gate_up_proj"):
+        cfg.get_quant_method(layer, "model.layers.1.mlp.gate_up_proj")
+
+
+@pytest.fixture
+def linear(config_cls):
+    from sglang.srt.layers.linear import ReplicatedLinear
+
+    return ReplicatedLinear(64, 48, bias=True, quant_config=config_cls(), prefix=PREFIX)
+
+
+def load(layer, tensors: dict[str, torch.Tensor]) -> None:
+    """What SGLang's model.load_weights does for an unfused linear: each tensor to its param's loader."""
+    for kind, t in tensors.items():
+        param = getattr(layer, kind)
+        param.weight_loader(param, t)
+
+
+def test_linear_equals_reference_and_session_updates(linear):
+    torch.manual_seed(0)
+    w0, w1, bias, x = torch.randn(48, 64), torch.randn(48, 64), torch.randn(48), torch.randn(5, 64)
+    assert [n for n, _ in linear.named_parameters()] == ["weight", "weight_scale", "weight_scale_2", "bias"]
+    load(linear, {"weight": w0.bfloat16(), "bias": bias})
+    linear.quant_method.process_weights_after_loading(linear)
+    out, _ = linear(x)
+    expected = reference.linear(x, reference.quantize_weight(w0.bfloat16()), bias=bias)
+    assert torch.equal(out, expected)
+
+    # begin_weight_update / update_weights_from_tensor (an NVFP4 triplet) / end_weight_update
+    q1 = reference.quantize_weight(w1)
+    linear.quant_method.restore_weights_before_loading(linear)
+    load(linear, {"weight": q1.codes, "weight_scale": q1.block_scales, "weight_scale_2": q1.global_scale})
+    linear.quant_method.process_weights_after_loading(linear)
+    assert torch.equal(linear(x)[0], reference.linear(x, q1, bias=bias))
+
+    # a session that writes part of a triplet is refused at end_weight_update, naming what is missing
+    linear.quant_method.restore_weights_before_loading(linear)
+    load(linear, {"weight_scale": q1.block_scales})
+    with pytest.raises(ValueError, match=rf"missing: {PREFIX}.weight, {PREFIX}.weight_scale_2"):
+        linear.quant_method.process_weights_after_loading(linear)
+
+
+def test_linear_refuses_bad_tensors(linear):
+    with pytest.raises(ValueError, match=rf"{PREFIX}.weight: shape \(48, 32\) does not match the model's \(48, 64\)"):
+        load(linear, {"weight": torch.randn(48, 32)})
+    with pytest.raises(ValueError, match=rf"{PREFIX}.weight_scale: dtype torch.float32"):
+        load(linear, {"weight_scale": torch.ones(48, 4)})
+    load(linear, {"weight": torch.zeros(48, 32, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match=rf"missing: {PREFIX}.weight_scale, {PREFIX}.weight_scale_2"):
+        linear.quant_method.process_weights_after_loading(linear)
