@@ -19,6 +19,7 @@ tensor-parallel slicing); a `Shard` says which part of it this rank holds and wh
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -31,6 +32,7 @@ from .config import SamplerConfig
 KINDS = ("weight", "weight_scale", "weight_scale_2")
 _NVFP4_DTYPES = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+logger = logging.getLogger("nvfp4_sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,34 @@ class QuantizedWeight:
     def bf16_nbytes(self) -> int:
         """Bytes of the same weight in BF16."""
         return self.codes.numel() * 2 * 2
+
+
+class MemoryReport:
+    """Bytes of the quantized weights vs the same weights in BF16; logged once all layers are processed.
+
+    An engine adapter calls add_layer() per quantized layer it creates, then processed_weight(w) for
+    its weights and processed_layer() when the layer is loaded; later calls (reloads) log nothing.
+    """
+
+    def __init__(self):
+        self.created = self.processed = self.nbytes = self.bf16_nbytes = 0
+
+    def add_layer(self) -> None:
+        self.created += 1
+
+    def processed_weight(self, w: QuantizedWeight) -> None:
+        self.nbytes += w.nbytes
+        self.bf16_nbytes += w.bf16_nbytes
+
+    def processed_layer(self) -> None:
+        self.processed += 1
+        if self.processed == self.created:
+            logger.warning("nvfp4_sampler: %d quantized layers hold %.2f MiB, %.3fx their BF16 size (%.2f MiB)",
+                           self.created, self.nbytes / 2**20, self.ratio, self.bf16_nbytes / 2**20)
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / max(self.bf16_nbytes, 1)
 
 
 @dataclasses.dataclass(frozen=True)

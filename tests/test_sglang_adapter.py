@@ -91,6 +91,8 @@ def test_linear_equals_reference_and_session_updates(linear):
     out, _ = linear(x)
     expected = reference.linear(x, reference.quantize_weight(w0.bfloat16()), bias=bias)
     assert torch.equal(out, expected)
+    memory = linear.quant_method.memory          # codes 48*32 + block scales 48*4 + row scales 48*4 bytes
+    assert (memory.created, memory.processed, memory.nbytes, memory.bf16_nbytes) == (1, 1, 1920, 48 * 64 * 2)
 
     # begin_weight_update / update_weights_from_tensor (an NVFP4 triplet) / end_weight_update
     q1 = reference.quantize_weight(w1)

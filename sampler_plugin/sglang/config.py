@@ -9,6 +9,7 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+from .. import layers
 from ..config import METHOD_NAME, SamplerConfig
 from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
@@ -25,6 +26,7 @@ class NVFP4SamplerConfig(QuantizationConfig):
         super().__init__()
         self.sampler = sampler or SamplerConfig()
         self.packed_modules_mapping = {**DEFAULT_PACKED_MODULES, **(packed_modules_mapping or {})}
+        self.memory = layers.MemoryReport()      # logged once every quantized layer is loaded
 
     def get_name(self) -> str:
         return METHOD_NAME
@@ -68,7 +70,7 @@ class NVFP4SamplerConfig(QuantizationConfig):
             if any(keep):
                 raise ValueError(f"nvfp4_sampler: keep_bf16 {list(self.sampler.keep_bf16)} splits the fused module "
                                  f"{prefix} ({names}); keep all of its parts or none")
-            return NVFP4LinearMethod(self.sampler, prefix, names)
+            return NVFP4LinearMethod(self.sampler, prefix, names, self.memory)
         if isinstance(layer, FusedMoE) and should_quantize(prefix, self.sampler):
-            return NVFP4MoEMethod(self.sampler, prefix)
+            return NVFP4MoEMethod(self.sampler, prefix, self.memory)
         return None       # embeddings, lm_head, BF16 experts: SGLang's unquantized methods

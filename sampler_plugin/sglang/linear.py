@@ -28,7 +28,7 @@ def parameter(data: torch.Tensor, kind: str, loader) -> torch.nn.Parameter:
 
 
 class UpdateTracking:
-    """Load bookkeeping shared by the linear and MoE methods (`layer.nvfp4_tracker`).
+    """Load bookkeeping shared by the linear and MoE methods (`layer.nvfp4_tracker`, `self.memory`).
 
     At start-up every checkpoint tensor of the layer must arrive. SGLang's begin_weight_update calls
     restore_weights_before_loading (storage is already in checkpoint layout: nothing to undo; a fresh
@@ -36,21 +36,30 @@ class UpdateTracking:
     every checkpoint tensor the session wrote got a float weight or the whole NVFP4 triplet.
     """
 
+    memory: layers.MemoryReport
+
+    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+        raise NotImplementedError
+
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         layer.nvfp4_tracker = layers.LoadTracker(layer.nvfp4_tracker.shards)
         layer.nvfp4_updating = True
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.nvfp4_tracker.check(touched_only=layer.nvfp4_updating)
+        for w in self.quantized_weights(layer):
+            self.memory.processed_weight(w)
+        self.memory.processed_layer()
 
 
 class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
     """W4A4 linear for one module `prefix`; `shard_names` are its checkpoint tensors' prefixes."""
 
-    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str]):
+    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str], memory: layers.MemoryReport):
         self.config = config
         self.prefix = prefix
         self.shard_names = shard_names
+        self.memory = memory
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -70,6 +79,7 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
             offset += size
         layer.nvfp4_tracker = layers.LoadTracker(shards)
         layer.nvfp4_updating = False
+        self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
@@ -82,6 +92,9 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
     @staticmethod
     def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
         return layers.QuantizedWeight(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data)
+
+    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+        return [self.storage(layer)]
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)

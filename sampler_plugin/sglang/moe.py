@@ -21,9 +21,10 @@ from .linear import UpdateTracking, parameter
 class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
     """W4A4 SwiGLU experts of the SGLang FusedMoE layer `prefix` ("...mlp.experts", the checkpoint prefix)."""
 
-    def __init__(self, config: SamplerConfig, prefix: str):
+    def __init__(self, config: SamplerConfig, prefix: str, memory: layers.MemoryReport):
         self.config = config
         self.prefix = prefix
+        self.memory = memory
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -44,6 +45,7 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
                               for e in range(num_experts)]
         layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
         layer.nvfp4_updating = False
+        self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
@@ -59,6 +61,9 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
         return {stem: layers.QuantizedWeight(getattr(layer, f"{stem}_weight").data,
                                              getattr(layer, f"{stem}_weight_scale").data,
                                              getattr(layer, f"{stem}_weight_scale_2").data) for stem in ("w13", "w2")}
+
+    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+        return list(self.storage(layer).values())
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         """No SGLang runner: `apply` calls the kernels directly. Refuses what kernels.moe does not compute."""
