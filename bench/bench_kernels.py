@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default="bench_kernels.json", help="where to write the records")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
-    p.add_argument("--only", default="copy,act,weight,linear,moe", help="comma-separated sections")
+    p.add_argument("--only", default="act,weight,moe,linear", help="comma-separated sections (copy always runs)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -273,16 +273,18 @@ def main(argv=None) -> int:
               f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, triton {triton.__version__}, "
               f"CUDA {torch.version.cuda}, python {platform.python_version()}")
     records: list[dict] = []
+    start = time.time()
 
     def log(kind, rec):
         records.append(dict(kind=kind, **rec))
+        with open(args.json, "w") as f:                      # rewritten per record: a cut run keeps its numbers
+            json.dump(dict(device=device, seconds=time.time() - start, records=records), f, indent=1)
         print(kind, {k: (round(v, 5) if isinstance(v, float) else v) for k, v in rec.items() if k != "sweep"}, flush=True)
 
     only = set(args.only.split(","))
-    start = time.time()
     peak = bench_copy(log)
     sections = {"act": lambda: bench_act_quant(log, peak, args.quick), "weight": lambda: bench_weight_conversion(log, peak),
-                "linear": lambda: bench_linear(log, args.quick), "moe": lambda: bench_moe(log, args.quick)}
+                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, args.quick)}
     for name, run in sections.items():
         if name not in only:
             continue
