@@ -76,8 +76,8 @@ def main() -> int:
     p.add_argument("--engine", choices=("vllm", "embedded"),
                    default="vllm" if importlib.util.find_spec("vllm") else "embedded")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seqs", type=int, default=16, help="sequences per log-prob request")
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seqs", type=int, default=8, help="sequences per log-prob request")
+    p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args()
 
     model = _model(args.model)

@@ -165,9 +165,26 @@ class SamplerClient:
             bar.close()
 
 
-def _bytes(body: Iterable[bytes | memoryview]) -> Iterator[bytes]:
+def _bytes(body: Iterable[bytes | memoryview], *, min_chunk: int = 1 << 20) -> Iterator[bytes | memoryview]:
+    """Body buffers for the socket: small ones (headers, scales) joined into chunks of >= min_chunk,
+    large payloads passed through without a copy (tiny writes stall TCP: Nagle + delayed ACK)."""
+    pending: list[bytes | memoryview] = []
+    size = 0
     for b in body:
-        yield b if isinstance(b, bytes) else b.cast("B")
+        b = b if isinstance(b, bytes) else b.cast("B")
+        if len(b) >= min_chunk:
+            if pending:
+                yield b"".join(pending)
+                pending, size = [], 0
+            yield b
+            continue
+        pending.append(b)
+        size += len(b)
+        if size >= min_chunk:
+            yield b"".join(pending)
+            pending, size = [], 0
+    if pending:
+        yield b"".join(pending)
 
 
 def _frames(entries: list[TensorEntry], tensors: Tensors, bar) -> Iterator[bytes | memoryview]:
