@@ -82,7 +82,13 @@ class VLLMEngine(Engine):
         return r
 
     async def _rpc(self, method: str, *args: str) -> list:
-        r = await self._post("POST", "/collective_rpc", json={"method": method, "args": list(args)})
+        r = await self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        if r.status_code == 404:
+            raise EngineError(f"vLLM at {self.url} has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1, "
+                              f"--quantization nvfp4_sampler and --worker-extension-cls {EXTENSION}", status=502)
+        if r.status_code >= 400:
+            raise EngineError(f"vLLM {method}: HTTP {r.status_code}: {r.text[:2000]}",
+                              status=422 if "ValueError" in r.text else 502)
         return r.json()["results"]
 
     async def weight_version(self) -> int:
