@@ -39,6 +39,8 @@ ACT_SWEEP = [dict(elements=e, num_warps=w, persist_stages=p) for e, w, p in
               (4096, 4, 2), (8192, 8, 2)]]
 WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
                 [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
+GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=128), dict(min_programs=264),
+              dict(min_programs=1056), dict(num_warps=8), dict(block_n=32, min_programs=1056)]
 DECODE_SWEEP = [dict(), dict(block_k=128), dict(block_n=32), dict(block_n=128, num_warps=8), dict(num_warps=8),
                 dict(block_k=128, num_warps=8), dict(min_programs=528), dict(min_programs=132), dict(num_stages=3)]
 
@@ -156,23 +158,25 @@ def bench_linear(log, quick: bool) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
-            for path in ("packed", "bf16") if m <= 1024 else ("bf16",):
+            for path in ("gemv",) * (m <= triton_gemm.GEMV_MAX_M) + ("packed",) * (m <= 1024) + ("bf16",):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
             row["auto_path"] = triton_gemm.linear_path(m, "per_token")
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
-            row["best_speedup_vs_cublas"] = cublas / min(row.get("packed_ms", math.inf), row["bf16_ms"])
+            row["best_speedup_vs_cublas"] = cublas / min(row.get("gemv_ms", math.inf), row.get("packed_ms", math.inf), row["bf16_ms"])
             if m in (1, 16):
                 row["ref_ms"] = eager_ms(lambda: reference.linear(x, w_q[0]))
+                gemv = m <= triton_gemm.GEMV_MAX_M
                 sweep = {}
-                for over in DECODE_SWEEP:
-                    cfg = triton_gemm.packed_config(m, n, k, **over)
+                for over in (GEMV_SWEEP if gemv else DECODE_SWEEP):
+                    cfg = (triton_gemm.gemv_config if gemv else triton_gemm.packed_config)(m, n, k, **over)
+                    launch = triton_gemm.launch_w4a4_gemv if gemv else triton_gemm.launch_w4a4
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
-                    def run(cfg=cfg):
+                    def run(cfg=cfg, launch=launch, out=out):
                         a = triton_quant.quantize_per_token(x)
                         for w in w_q:
-                            triton_gemm.launch_w4a4(a, w, out, config=cfg)
+                            launch(a, w, out, config=cfg)
                     sweep[json.dumps(over)] = dict(cfg=cfg, ms=graph_ms(run) / len(w_q))
                 best = min(sweep.values(), key=lambda v: v["ms"])
                 row["sweep"] = sweep
@@ -242,10 +246,11 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     print("\nweight conversion, Qwen3-30B-A3B layer x48")
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
-    print("\nlinear (us; speedup = cuBLAS / ours)\n  shape           M    cuBLAS   packed     bf16  path  speedup  best-swept")
+    print("\nlinear (us; speedup = cuBLAS / ours)\n  shape           M    cuBLAS     gemv   packed     bf16  path    speedup  best-swept")
     for r in by("linear"):
         sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
-        print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
+        print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
+              f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
               f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x  {sw}")
     print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us   bf16 grouped us  speedup  ref us")
     for r in by("moe"):

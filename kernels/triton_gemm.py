@@ -34,7 +34,7 @@ import triton.language as tl
 from . import triton_quant
 from .format import NVFP4Tensor
 
-PACKED_MAX_M = 128
+PACKED_MAX_M = 64
 PATH_COUNTS: collections.Counter = collections.Counter()   # path name -> calls (what the dispatcher chose)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -185,33 +185,84 @@ def _w4a4_kernel(
                 u_c, u_s, u_c1, u_s1 = u_c1, u_s1, u_c2, u_s2
             a_c, a_s, a_c1, a_s1 = a_c1, a_s1, a_c2, a_s2
             w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
-        omask = cmask[:, None] & rmask[None, :]
-        o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
-        if SPLIT_K > 1:
-            tl.atomic_add(ws + o_off, acc, mask=omask, sem="relaxed")
-            tl.debug_barrier()
-            tile = pid_m * tl.num_programs(1) + pid_n
-            arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
-            last = arrived == SPLIT_K - 1
-            if last:
-                acc = tl.atomic_add(ws + o_off, tl.zeros_like(acc), mask=omask, sem="relaxed")
-                tl.store(ws + o_off, tl.zeros_like(acc), mask=omask)
-                tl.store(counters + tile, 0)
-        else:
-            last = True
+        _finish_tile(acc, acc_u, rows, rmask, arow, cols, cmask, e, pid_m * tl.num_programs(1) + pid_n, ws, counters,
+                     out, a_gs, stride_a_gs, w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU,
+                     ROW_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _w4a4_gemv_kernel(
+    a_codes, a_scales, a_gs, stride_a_gs,      # activations [M, K] per-token NVFP4 (M <= M_PAD)
+    w_codes, w_scales, w_gs, stride_gs_n,      # weights [N, K] NVFP4, S_dec [N] (stride 0: per tensor)
+    out, bias, ws, counters, M, N, K,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Decode-size W4A4 GEMM on the FP32 units: no shared memory, no barriers in the K loop.
+    acc3[m, n, k] += w[n, k] * a[m, k] (exact products, FP32 sums), reduced over k at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KH: tl.constexpr = BLOCK_K // 2
+    KB: tl.constexpr = BLOCK_K // 16
+    rows = tl.arange(0, M_PAD)
+    rmask = rows < M
+    arow = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    wrow = cols.to(tl.int64)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    acc3 = tl.zeros((M_PAD, BLOCK_N, KH), dtype=tl.float32)
+    w_c, w_s = _load_packed(w_codes, w_scales, wrow, cmask, k_lo, k_hi, KH, KB, K)
+    w_c1, w_s1 = _load_packed(w_codes, w_scales, wrow, cmask, k_lo + BLOCK_K, k_hi, KH, KB, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w_c2, w_s2 = _load_packed(w_codes, w_scales, wrow, cmask, k0 + 2 * BLOCK_K, k_hi, KH, KB, K)
+        a_c, a_s = _load_packed(a_codes, a_scales, arow, rmask, k0, k_hi, KH, KB, K)
+        a_lo, a_hi = _decode(a_c, a_s, USE_ASM)
+        w_lo, w_hi = _decode(w_c, w_s, USE_ASM)
+        acc3 += w_lo.to(tl.float32)[None, :, :] * a_lo.to(tl.float32)[:, None, :]
+        acc3 += w_hi.to(tl.float32)[None, :, :] * a_hi.to(tl.float32)[:, None, :]
+        w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
+    acc = tl.trans(tl.sum(acc3, axis=2))                                     # [BLOCK_N, M_PAD]
+    _finish_tile(acc, acc, rows, rmask, arow, cols, cmask, 0, pid_n, ws, counters, out, a_gs, stride_a_gs,
+                 w_gs, 0, stride_gs_n, None, bias, N, SPLIT_K, False, False, HAS_BIAS)
+
+
+@triton.jit
+def _finish_tile(acc, acc_u, rows, rmask, arow, cols, cmask, e, tile, ws, counters, out, a_gs, stride_a_gs,
+                 w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
+                 ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Epilogue of an acc [BLOCK_N, BLOCK_M] tile: split-K partial sums meet in the FP32 workspace
+    (the last program of the tile, by atomic counter, finishes and re-zeroes it), then
+    ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight] [+ bias] is stored as out[rows, cols].
+    tile: index of this output tile among the launch's tiles (its split-K counter)."""
+    omask = cmask[:, None] & rmask[None, :]
+    o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
+    if SPLIT_K > 1:
+        tl.atomic_add(ws + o_off, acc, mask=omask, sem="relaxed")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
         if last:
-            a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
-            w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
-            val = acc * a_g[None, :] * w_g[:, None]
-            if SWIGLU:
-                w_su = tl.load(w_gs + e * stride_gs_e + (cols + N) * stride_gs_n, mask=cmask, other=0.0)
-                up = acc_u * a_g[None, :] * w_su[:, None]
-                val = val / (1.0 + tl.exp(-val)) * up
-            if ROW_WEIGHT:
-                val = val * tl.load(row_weight + rows, mask=rmask, other=0.0)[None, :]
-            if HAS_BIAS:
-                val = val + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
-            tl.store(out + o_off, val.to(out.dtype.element_ty), mask=omask)
+            acc = tl.atomic_add(ws + o_off, tl.zeros_like(acc), mask=omask, sem="relaxed")
+            tl.store(ws + o_off, tl.zeros_like(acc), mask=omask)
+            tl.store(counters + tile, 0)
+    else:
+        last = True
+    if last:
+        a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
+        w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
+        val = acc * a_g[None, :] * w_g[:, None]
+        if SWIGLU:
+            w_su = tl.load(w_gs + e * stride_gs_e + (cols + N) * stride_gs_n, mask=cmask, other=0.0)
+            up = acc_u * a_g[None, :] * w_su[:, None]
+            val = val / (1.0 + tl.exp(-val)) * up
+        if ROW_WEIGHT:
+            val = val * tl.load(row_weight + rows, mask=rmask, other=0.0)[None, :]
+        if HAS_BIAS:
+            val = val + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out + o_off, val.to(out.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -332,6 +383,42 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
     return out
 
 
+GEMV_MAX_M = 4
+
+
+def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 64, num_warps: int = 4,
+                min_programs: int = 528) -> dict:
+    """Launch configuration of the FP32-unit kernel (m <= GEMV_MAX_M): BLOCK_N 64 for one row, 32
+    for up to 4 (about 80-90 registers on sm_90), split-K to about 4 programs per SM."""
+    block_n = block_n or (64 if m <= 1 else 32)
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < min_programs and k // (block_k * split_k * 2) >= 2:
+        split_k *= 2
+    return dict(M_PAD=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                num_warps=num_warps)
+
+
+def launch_w4a4_gemv(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+                     config: dict | None = None, use_asm: bool = not _INTERPRET) -> torch.Tensor:
+    """out [M, N] = ((deq(a) @ deq(w).T) ...) for M <= GEMV_MAX_M on the FP32 units; a [M, K]
+    per-token or per-tensor NVFP4, w [N, K] (global_scale [] or [N])."""
+    m, n = out.shape
+    k = a.shape[-1]
+    if m > GEMV_MAX_M or w.codes.dim() != 2 or w.shape[-1] != k:
+        raise ValueError(f"gemv needs M <= {GEMV_MAX_M} and w [N, {k}], got out {tuple(out.shape)}, w {tuple(w.shape)}")
+    cfg = dict(config or gemv_config(m, n, k))
+    ws = cnt = None
+    if cfg["SPLIT_K"] > 1:
+        ws, cnt = _workspace(out.device, m * n, triton.cdiv(n, cfg["BLOCK_N"]))
+    gs = w.global_scale
+    if m and n:
+        _w4a4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
+            a.codes, a.block_scales, a.global_scale, 0 if a.global_scale.dim() == 0 else a.global_scale.stride(0),
+            w.codes, w.block_scales, gs, 0 if gs.dim() == 0 else gs.stride(0), out, bias, ws, cnt, m, n, k,
+            HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+    return out
+
+
 def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
     """e2m1(q) * float(s) of w [..., K] as exact BF16 [..., K] (second-level scale not applied)."""
     k = w.shape[-1]
@@ -358,14 +445,17 @@ def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, ou
 
 
 def linear_path(m: int, scaling: str) -> str:
-    """Which GEMM path a linear with m rows takes: "packed" or "bf16"."""
+    """Which GEMM path a linear with m rows takes: "gemv", "packed" or "bf16"."""
+    if m <= GEMV_MAX_M:
+        return "gemv"
     return "packed" if m <= PACKED_MAX_M or scaling == "per_tensor" else "bf16"
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
            scaling: str = "per_token", path: str | None = None) -> torch.Tensor:
     """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
-    in x.dtype. scaling "per_token" (default) or "per_tensor"; path forces "packed" or "bf16"."""
+    in x.dtype. scaling "per_token" (default) or "per_tensor"; path forces "gemv" (M <= 4),
+    "packed" or "bf16"."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
@@ -375,7 +465,7 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         if scaling != "per_token":
             raise ValueError("the bf16 path implements per-token scaling only")
         out = _linear_bf16(x2, w, bias, x.dtype)
-    elif path == "packed":
+    elif path in ("packed", "gemv"):
         if scaling == "per_token":
             a = triton_quant.quantize_per_token(x2)
         elif scaling == "per_tensor":
@@ -383,7 +473,10 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         else:
             raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        launch_w4a4(a, w, out, bias=bias)
+        if path == "gemv":
+            launch_w4a4_gemv(a, w, out, bias=bias)
+        else:
+            launch_w4a4(a, w, out, bias=bias)
     else:
-        raise ValueError(f"path must be 'packed' or 'bf16', got {path!r}")
+        raise ValueError(f"path must be 'gemv', 'packed' or 'bf16', got {path!r}")
     return out.reshape(*x.shape[:-1], w.shape[0])

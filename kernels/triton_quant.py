@@ -231,8 +231,8 @@ def _weight_quant_kernel(
 
 # Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
 # elements per program, warps, persistent pipelining depth (0 = off).
-ACT_CONFIG = dict(elements=4096, num_warps=8, persist_stages=0)
-WEIGHT_CONFIG = dict(block_kb=32, num_warps=8, persist_stages=0)
+ACT_CONFIG = dict(elements=4096, num_warps=4, persist_stages=0)
+WEIGHT_CONFIG = dict(block_kb=16, num_warps=4, persist_stages=0)
 _PROGRAMS_PER_SM = 4
 
 

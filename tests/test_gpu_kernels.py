@@ -145,6 +145,20 @@ def test_packed_gemm_matches_reference(tk, m, n, k, split_k):
         _assert_fp32_reorder_close(out, a, w, want, bias)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 4096), (2, 5120, 2048), (3, 384, 7168), (4, 200, 48)])
+@pytest.mark.parametrize("split_k", [1, 8])
+def test_gemv_matches_reference(tk, m, n, k, split_k):
+    tq, tg, _ = tk
+    a = tq.quantize_per_token(_activations(m, k, seed=n + k + 1))
+    w = _weight(n, k, seed=m, per_row=split_k == 8)
+    bias = torch.randn(n, device="cuda")
+    want = reference.nvfp4_gemm(a, w, bias=bias, out_dtype=torch.float32)
+    for _ in range(2):                                    # the second run checks the workspace was re-zeroed
+        out = torch.full((m, n), float("nan"), device="cuda")
+        tg.launch_w4a4_gemv(a, w, out, bias=bias, config=dict(tg.gemv_config(m, n, k), SPLIT_K=split_k))
+        _assert_fp32_reorder_close(out, a, w, want, bias)
+
+
 def test_inline_ptx_decode_equals_portable_decode(tk):
     """Both decoders produce exact e2m1*s operands, so the products and sums are identical."""
     tq, tg, _ = tk
@@ -159,9 +173,11 @@ def test_inline_ptx_decode_equals_portable_decode(tk):
 
 
 @pytest.mark.parametrize("m", M_SIZES)
-@pytest.mark.parametrize("path", ["packed", "bf16"])
+@pytest.mark.parametrize("path", ["gemv", "packed", "bf16"])
 def test_linear_paths_match_reference(tk, m, path):
     tg = tk[1]
+    if path == "gemv" and m > tg.GEMV_MAX_M:
+        pytest.skip("the FP32-unit kernel serves M <= GEMV_MAX_M")
     n, k = 640, 2048
     x = _activations(m, k, seed=m + 5)
     x = x / x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
@@ -178,11 +194,11 @@ def test_dispatch_picks_triton_and_records_path(tk):
     assert dispatch.choose_backend(torch.device("cuda")).name == "triton_hopper"
     w = _weight(256, 512, seed=1, per_row=False)
     before = dict(tg.PATH_COUNTS)
-    for m in (4, 4096):
+    for m in (4, 16, 4096):
         x = _activations(m, 512, seed=m)
         torch.testing.assert_close(dispatch.linear(x, w).float(), reference.linear(x, w).float(), rtol=2 ** -7, atol=1e-3)
-    assert tg.PATH_COUNTS["packed"] == before.get("packed", 0) + 1
-    assert tg.PATH_COUNTS["bf16"] == before.get("bf16", 0) + 1
+    for path in ("gemv", "packed", "bf16"):
+        assert tg.PATH_COUNTS[path] == before.get(path, 0) + 1, path
     x = _activations(8, 512, seed=2)
     torch.testing.assert_close(dispatch.linear(x, w, scaling="per_tensor").float(),
                                reference.linear(x, w, scaling="per_tensor").float(), rtol=2 ** -7, atol=1e-3)
