@@ -1,0 +1,113 @@
+"""sampler_plugin.layers and torch_modules without an engine: storage, checkpoint writes, updates."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from sampler_plugin import layers
+from sampler_plugin.config import SamplerConfig
+from sampler_plugin.torch_modules import NVFP4Linear, quantize_model
+
+CFG = SamplerConfig()
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _fused(n=(32, 16), k=64):
+    """A qkv-like fused weight of two checkpoint tensors a (n[0] rows) and b (n[1] rows)."""
+    w = layers.create_weight(sum(n), k, name="m.ab_proj")
+    shards = {"a": layers.Shard("m.a_proj", (n[0], k), slice(0, n[0])),
+              "b": layers.Shard("m.b_proj", (n[1], k), slice(n[0], sum(n)))}
+    return w, shards
+
+
+def test_create_weight_refuses_k_not_multiple_of_16():
+    with pytest.raises(ValueError, match="m.down_proj: input size K=40 is not a multiple of 16"):
+        layers.create_weight(8, 40, name="m.down_proj")
+
+
+def test_bf16_write_equals_reference_per_shard_and_read_inverts_it():
+    torch.manual_seed(0)
+    w, shards = _fused()
+    a, b = torch.randn(32, 64, dtype=torch.bfloat16), 10 * torch.randn(16, 64, dtype=torch.bfloat16)
+    layers.write(w, shards["a"], "weight", a, config=CFG)
+    layers.write(w, shards["b"], "weight", b, config=CFG)
+    for t, s in ((a, shards["a"]), (b, shards["b"])):
+        q, got = reference.quantize_weight(t), layers.read(w, s)
+        assert torch.equal(got["weight"], q.codes) and torch.equal(_bytes(got["weight_scale"]), _bytes(q.block_scales))
+        assert torch.equal(got["weight_scale_2"], q.global_scale)
+    # each shard keeps its own second-level scale, applied per row
+    assert w.global_scale[0] != w.global_scale[40]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    out = layers.apply_linear(x, w, bias=None, config=CFG)
+    expect = torch.cat([reference.linear(x, reference.quantize_weight(a)), reference.linear(x, reference.quantize_weight(b))], -1)
+    assert torch.equal(out, expect)
+
+
+def test_tensor_parallel_slices_match_the_full_quantization():
+    torch.manual_seed(1)
+    full = torch.randn(32, 64)
+    q = reference.quantize_weight(full)
+    col = layers.create_weight(16, 64)           # rank 1 of 2, rows
+    layers.write(col, layers.Shard("p", (32, 64), slice(0, 16), src_rows=slice(16, 32)), "weight", full, config=CFG)
+    assert torch.equal(col.codes, q.codes[16:]) and torch.equal(col.global_scale, q.global_scale.expand(16))
+    row = layers.create_weight(32, 32)           # rank 0 of 2, K
+    layers.write(row, layers.Shard("p", (32, 64), slice(0, 32), src_cols=slice(0, 32)), "weight", full, config=CFG)
+    assert torch.equal(row.codes, q.codes[:, :16]) and torch.equal(_bytes(row.block_scales), _bytes(q.block_scales[:, :2]))
+
+
+def test_validate_names_the_tensor():
+    s = layers.Shard("m.q_proj", (32, 64), slice(0, 32))
+    with pytest.raises(ValueError, match=r"m\.q_proj\.weight: shape \(32, 48\)"):
+        layers.validate(s, "weight", torch.zeros(32, 48))
+    with pytest.raises(ValueError, match=r"m\.q_proj\.weight_scale: dtype torch\.uint8"):
+        layers.validate(s, "weight_scale", torch.zeros(32, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"m\.q_proj\.weight: contains NaN"):
+        layers.validate(s, "weight", torch.full((32, 64), float("nan")))
+
+
+def test_load_tracker_names_missing_tensors():
+    w, shards = _fused()
+    tracker = layers.LoadTracker(shards.values())
+    tracker.record(shards["a"], "weight", torch.zeros(32, 64))          # BF16: all three
+    tracker.record(shards["b"], "weight", torch.zeros(16, 32, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"missing: m\.b_proj\.weight_scale, m\.b_proj\.weight_scale_2"):
+        tracker.check()
+
+
+def test_apply_update_is_all_or_nothing():
+    torch.manual_seed(2)
+    w, shards = _fused()
+    norm = torch.ones(64)
+    targets = {**{s.name: layers.Target(weight=w, shard=s) for s in shards.values()}, "m.norm.weight": layers.Target(param=norm)}
+    layers.write(w, shards["a"], "weight", torch.randn(32, 64), config=CFG)
+    layers.write(w, shards["b"], "weight", torch.randn(16, 64), config=CFG)
+    before = layers.read(w, shards["a"])["weight"]
+    bad = {"m.a_proj.weight": torch.randn(32, 64), "m.norm.weight": torch.zeros(64),
+           "m.b_proj.weight": torch.zeros(16, 32, dtype=torch.uint8)}               # incomplete triplet
+    with pytest.raises(ValueError, match=r"m\.b_proj\.weight_scale"):
+        layers.apply_update(targets, bad, config=CFG)
+    assert torch.equal(layers.read(w, shards["a"])["weight"], before) and torch.equal(norm, torch.ones(64))
+    with pytest.raises(ValueError, match=r"m\.c_proj\.weight: no such tensor"):
+        layers.apply_update(targets, {"m.c_proj.weight": torch.zeros(4, 16)}, config=CFG)
+    q = reference.quantize_weight(torch.randn(16, 64))
+    names = layers.apply_update(targets, {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
+                                          "m.b_proj.weight_scale_2": q.global_scale, "m.norm.weight": 2 * norm},
+                                config=CFG)
+    assert len(names) == 4 and torch.equal(layers.read(w, shards["b"])["weight"], q.codes) and norm[0] == 2
+    assert torch.equal(layers.read(w, shards["a"])["weight"], before)
+
+
+def test_quantize_model_swaps_linears_by_policy():
+    model = torch.nn.Sequential()
+    model.add_module("proj", torch.nn.Linear(64, 32, bias=True))
+    model.add_module("lm_head", torch.nn.Linear(32, 16, bias=False))
+    x = torch.randn(5, 64)
+    w = reference.quantize_weight(model.proj.weight.detach())
+    expect = reference.linear(x, w, bias=model.proj.bias.detach())
+    assert quantize_model(model) == {"proj": "linear"}
+    assert isinstance(model.proj, NVFP4Linear) and isinstance(model.lm_head, torch.nn.Linear)
+    assert torch.equal(model.proj(x), expect)
