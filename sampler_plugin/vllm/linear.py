@@ -88,7 +88,7 @@ class NVFP4LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.tracker(layer).check()
-        self.on_processed(self.storage(layer))
+        self.on_processed(self.prefix, (self.storage(layer),))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)

@@ -29,6 +29,9 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if self.config.activation_scaling != "per_token":
+            raise ValueError(f"nvfp4_sampler: {self.ckpt_prefix}: MoE experts support activation_scaling="
+                             f"'per_token' only, got {self.config.activation_scaling!r}")
         parallel = self.moe.moe_parallel_config
         if parallel.use_ep:
             raise NotImplementedError(f"nvfp4_sampler: {self.ckpt_prefix}: expert parallelism is not supported yet")
@@ -78,7 +81,7 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.nvfp4_tracker.check()
-        self.on_processed(*self.storage(layer).values())
+        self.on_processed(self.ckpt_prefix, tuple(self.storage(layer).values()))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
