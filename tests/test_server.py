@@ -2,7 +2,9 @@
 transaction and its faults, consistency under concurrent reads, auth and bind rules."""
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -243,7 +245,7 @@ def test_killed_client_leaves_old_version(client, models, server):
         "    for i, e in enumerate(entries):\n"
         "        yield from (bytes(b) for b in encode_frame(e, t))\n"
         "        if i == 5: time.sleep(60)\n"
-        "c.send(st.update_id, body())\n")
+        "c.http.put(f'/v1/weights/updates/{st.update_id}/body', content=body())\n")   # unbuffered frames
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     update_id = p.stdout.readline().strip()
     deadline = time.monotonic() + 30
@@ -293,3 +295,56 @@ def test_concurrent_logprobs_during_updates_see_one_version(client, models):
     assert len(seen) >= 8 and len(versions) >= 2, (len(seen), versions)
     for ver, got in seen:
         assert got == expected[ver], ver
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 that drops the first connection carrying a PUT after `cut` bytes:
+    a real dropped connection mid-body, for the client's resume path."""
+
+    def __init__(self, upstream_port: int, cut: int):
+        self.upstream_port, self.cut, self.cuts = upstream_port, cut, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(conn, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn, False), daemon=True).start()
+
+    def _pump(self, src, dst, upstream: bool):
+        sent, cutting = 0, False          # bytes since the PUT began (keep-alive: any request start)
+        try:
+            while data := src.recv(1 << 16):
+                if upstream and data.startswith(b"PUT ") and self.cuts == 0:
+                    cutting, self.cuts, sent = True, 1, 0
+                if cutting and sent + len(data) > self.cut:
+                    dst.sendall(data[: self.cut - sent])
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def test_client_resumes_after_a_dropped_connection(client, server, models, reference_logprobs):
+    client.push(models["a"], layout="nvfp4", progress=False)
+    v, _ = lp(client)
+    proxy = CuttingProxy(int(server.url.rsplit(":", 1)[1]), cut=200_000)
+    with SamplerClient(f"http://127.0.0.1:{proxy.port}", token=TOKEN, retries=3) as c:
+        res = c.push(models["b"], layout="nvfp4", progress=False)
+    assert proxy.cuts == 1
+    assert res.weight_version == v + 1 and res.payload_bytes > 200_000
+    assert res.commit.bytes == res.payload_bytes         # every frame arrived once: only the missing were re-sent
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
