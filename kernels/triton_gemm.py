@@ -6,19 +6,20 @@ scales (per token for activations, per output row for weights) are applied in th
 the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `reference.nvfp4_gemm`
 only by the order of the FP32 additions.
 
-Two paths, chosen by `linear_path(m)` and counted in `PATH_COUNTS`:
-  "packed"  (M <= PACKED_MAX_M, decode)  `_w4a4_kernel`: weights stay packed 4-bit in memory and are
-            decoded in registers (an inline-PTX `prmt` table lookup turns 4 codes into FP16 per 3-4
-            instructions), times the block scale; the activation is decoded the same way. The
-            product runs as W @ A^T so the big operand is the MMA's register operand. Split-K
-            partial sums meet in an FP32 workspace; the last program of a tile (atomic counter)
-            applies the epilogue and zeroes the workspace again, so a call is one launch after
-            the activation quantization.
-  "bf16"    (large M)  the activation is quantized into exact BF16 values (one fused pass), the
+Three paths, chosen by `linear_path(m)` and counted in `PATH_COUNTS`:
+  "gemv"    (M <= GEMV_MAX_M)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory, are decoded
+            in registers (an inline-PTX `prmt` table lookup turns 4 codes into FP16 in a few
+            instructions) and multiplied on the FP32 units: no shared memory, no barrier in the K loop.
+  "packed"  (M <= PACKED_MAX_M)  `_w4a4_kernel`: the same decode, then tensor cores (tl.dot FP16 x
+            FP16 -> FP32) as W @ A^T so the big operand is the MMA's register operand.
+            Both: split-K partial sums meet in an FP32 workspace; the last program of a tile
+            (atomic counter) applies the epilogue and zeroes the workspace again, so a call is one
+            launch after the activation quantization.
+  "bf16"    (larger M)  the activation is quantized into exact BF16 values (one fused pass), the
             weight is decoded into a transient exact BF16 copy (no persistent cache: memory stays at
             0.28x BF16), cuBLAS multiplies with an FP32 output (`torch.mm(..., out_dtype=float32)`),
             and one Triton pass applies the scales and the bias.
-The same kernel serves the MoE grouped GEMM (`kernels.triton_moe`): tiles map to experts through
+The packed kernel also serves the MoE grouped GEMM (`kernels.triton_moe`): tiles map to experts through
 device-side metadata, activation rows are gathered by index, and the epilogue can fuse SwiGLU and
 the router weight.
 """
