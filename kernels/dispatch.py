@@ -30,8 +30,9 @@ class ReferenceBackend:
         return reference.quantize_weight(w, recipe=recipe, amax=amax)
 
     @staticmethod
-    def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str) -> torch.Tensor:
-        return reference.linear(x, w, bias=bias, scaling=scaling)
+    def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
+               amax: torch.Tensor | None = None) -> torch.Tensor:
+        return reference.linear(x, w, bias=bias, scaling=scaling, amax=amax)
 
     @staticmethod
     def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -65,7 +66,11 @@ class TritonHopperBackend:
         return triton_quant.quantize_weight(w, recipe=recipe, amax=amax)
 
     @staticmethod
-    def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str) -> torch.Tensor:
+    def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
+               amax: torch.Tensor | None = None) -> torch.Tensor:
+        if amax is not None:
+            raise NotImplementedError("triton_hopper: an activation amax override (tensor-parallel "
+                                      "row-parallel layers) is not implemented; use backend='reference'")
         from . import triton_gemm
         return triton_gemm.linear(x, w, bias=bias, scaling=scaling)
 
@@ -102,9 +107,15 @@ def choose_backend(device: torch.device, backend: str = "auto"):
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token", backend: str = "auto") -> torch.Tensor:
-    """W4A4 linear. x [..., K] bf16/fp16/fp32; w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N] x.dtype."""
-    return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling)
+           scaling: str = "per_token", amax: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """W4A4 linear. x [..., K] bf16/fp16/fp32; w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N] x.dtype.
+
+    amax: optional activation amax override, fp32 [...] per token or [] per tensor (see
+    `reference.quantize_activations`); None lets the backend reduce x itself.
+    """
+    if amax is None:
+        return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling)
+    return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling, amax=amax)
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,

@@ -118,13 +118,16 @@ def _block_amax_2d(w: torch.Tensor) -> torch.Tensor:
     return tiles.expand(*tiles.shape[:-2], BLOCK, a.shape[-1]).flatten(-3, -2)[..., :n, :]
 
 
-def quantize_per_token(x: torch.Tensor) -> NVFP4Tensor:
+def quantize_per_token(x: torch.Tensor, *, row_amax: torch.Tensor | None = None) -> NVFP4Tensor:
     """Per-token NVFP4: x [..., K] float -> codes [..., K/2], scales [..., K/16], global_scale [...].
 
     Each row has its own S_dec = amax_row / 2688, so a row's codes do not depend on other rows.
+    row_amax: optional fp32 [...] used instead of max|x| per row: the amax of the whole token row
+      when x holds only a K-slice of it (a tensor-parallel rank of a row-parallel layer).
     """
     _check_input(x, "x")
-    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(x.abs().float().amax(-1)))
+    amax = x.abs().float().amax(-1) if row_amax is None else row_amax.float().reshape(x.shape[:-1])
+    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax))
 
 
 def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
@@ -137,12 +140,17 @@ def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) ->
     return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax))
 
 
-def quantize_activations(x: torch.Tensor, *, scaling: str = "per_token") -> NVFP4Tensor:
-    """Quantize activations x [..., K] with scaling "per_token" (default) or "per_tensor"."""
+def quantize_activations(x: torch.Tensor, *, scaling: str = "per_token",
+                         amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize activations x [..., K] with scaling "per_token" (default) or "per_tensor".
+
+    amax: optional second-level amax instead of the one x gives: fp32 [...] per token, [] per
+    tensor (e.g. all-reduced over the tensor-parallel ranks that each hold a K-slice of x).
+    """
     if scaling == "per_token":
-        return quantize_per_token(x)
+        return quantize_per_token(x, row_amax=amax)
     if scaling == "per_tensor":
-        return quantize_per_tensor(x)
+        return quantize_per_tensor(x, amax=amax)
     raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
 
 
@@ -196,9 +204,14 @@ def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token") -> torch.Tensor:
-    """W4A4 linear: x [..., K] (float) quantized per token, times w [N, K] -> [..., N] in x.dtype."""
-    a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling)
+           scaling: str = "per_token", amax: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A4 linear: x [..., K] (float) quantized per token, times w [N, K] -> [..., N] in x.dtype.
+
+    amax: optional activation amax as in `quantize_activations` (fp32 [...] or []).
+    """
+    if amax is not None and scaling == "per_token":
+        amax = amax.reshape(-1)
+    a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling, amax=amax)
     return nvfp4_gemm(a, w, bias=bias, out_dtype=x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 

@@ -245,9 +245,21 @@ class LoadTracker:
 
 
 def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None,
-                 config: SamplerConfig) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM."""
-    return dispatch.linear(x, w.nvfp4(), bias=bias, scaling=config.activation_scaling, backend=config.backend)
+                 config: SamplerConfig, tp_group=None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM.
+
+    tp_group: the tensor-parallel process group of a row-parallel layer whose x holds only this
+    rank's K-slice of each token. The activation amax (per token, or per tensor) is then
+    all-reduced (MAX) over the group first, so every rank quantizes its slice with the scale of the
+    whole row: the codes equal those of the unsharded layer (and of the learner).
+    """
+    amax = None
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        per_token = config.activation_scaling == "per_token"
+        amax = x.abs().float().amax(-1) if per_token else x.abs().float().amax()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+    return dispatch.linear(x, w.nvfp4(), bias=bias, scaling=config.activation_scaling, amax=amax,
+                           backend=config.backend)
 
 
 def apply_moe(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,

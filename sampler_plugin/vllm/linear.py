@@ -10,6 +10,7 @@ triplet) and writes it through `sampler_plugin.layers`.
 from __future__ import annotations
 
 import torch
+from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMethodBase, QKVParallelLinear,
                                                RowParallelLinear)
 
@@ -91,4 +92,7 @@ class NVFP4LinearMethod(LinearMethodBase):
         self.on_processed(self.prefix, (self.storage(layer),))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)
+        # a row-parallel rank holds a K-slice of every token: its per-token amax must span all ranks
+        row_sharded = isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1
+        tp_group = get_tp_group().device_group if row_sharded else None
+        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config, tp_group=tp_group)
