@@ -196,6 +196,9 @@ def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *
     codes, scales, gs = _dst(dst, shard)
     tensor = tensor.to(codes.device)
     if kind == "weight" and tensor.dtype in _FLOAT_DTYPES:
+        if config.weight_recipe == "2d" and (shard.src_rows.start or 0) % BLOCK:
+            raise ValueError(f"nvfp4_sampler: {shard.tensor_name(kind)}: the 2d recipe needs tensor-parallel row "
+                             f"slices that start on a {BLOCK}-row tile, got row {shard.src_rows.start}")
         part = tensor[shard.src_rows, shard.src_cols]
         q = dispatch.quantize_weight_on(part, recipe=config.weight_recipe, amax=tensor.abs().float().amax(),
                                         backend=config.backend)

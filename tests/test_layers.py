@@ -47,6 +47,16 @@ def test_bf16_write_equals_reference_per_shard_and_read_inverts_it():
     assert torch.equal(out, expect)
 
 
+def test_2d_recipe_write_equals_reference():
+    torch.manual_seed(3)
+    t = torch.randn(40, 64, dtype=torch.bfloat16)
+    w = layers.create_weight(40, 64)
+    layers.write(w, layers.Shard("p", (40, 64), slice(0, 40)), "weight", t, config=SamplerConfig(weight_recipe="2d"))
+    q = reference.quantize_weight(t, recipe="2d")
+    assert torch.equal(w.codes, q.codes) and torch.equal(_bytes(w.block_scales), _bytes(q.block_scales))
+    assert not torch.equal(w.codes, reference.quantize_weight(t).codes)
+
+
 def test_tensor_parallel_slices_match_the_full_quantization():
     torch.manual_seed(1)
     full = torch.randn(32, 64)
