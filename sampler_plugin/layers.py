@@ -60,7 +60,8 @@ class MemoryReport:
     """Bytes of the quantized weights vs the same weights in BF16; logged once all layers are processed.
 
     An engine adapter calls add_layer() per quantized layer it creates, then processed_weight(w) for
-    its weights and processed_layer() when the layer is loaded; later calls (reloads) log nothing.
+    its weights and processed_layer() when the layer is loaded. Once every layer is counted, later
+    calls (an engine re-running its post-load step after a reload) change nothing.
     """
 
     def __init__(self):
@@ -69,13 +70,20 @@ class MemoryReport:
     def add_layer(self) -> None:
         self.created += 1
 
+    @property
+    def complete(self) -> bool:
+        return self.created > 0 and self.processed == self.created
+
     def processed_weight(self, w: QuantizedWeight) -> None:
-        self.nbytes += w.nbytes
-        self.bf16_nbytes += w.bf16_nbytes
+        if not self.complete:
+            self.nbytes += w.nbytes
+            self.bf16_nbytes += w.bf16_nbytes
 
     def processed_layer(self) -> None:
+        if self.complete:
+            return
         self.processed += 1
-        if self.processed == self.created:
+        if self.complete:
             logger.warning("nvfp4_sampler: %d quantized layers hold %.2f MiB, %.3fx their BF16 size (%.2f MiB)",
                            self.created, self.nbytes / 2**20, self.ratio, self.bf16_nbytes / 2**20)
 

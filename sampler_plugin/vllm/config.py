@@ -1,7 +1,6 @@
 """vLLM QuantizationConfig `nvfp4_sampler`: parses SamplerConfig, picks a method per layer."""
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -17,39 +16,6 @@ from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
-logger = logging.getLogger("vllm.nvfp4_sampler")      # under vLLM's logger: its handler and level
-
-
-class MemoryReport:
-    """Bytes of the quantized weights vs the same weights in BF16; logged once all layers are processed."""
-
-    def __init__(self):
-        self.created = 0
-        self.sizes: dict[str, tuple[int, int]] = {}      # layer prefix -> (bytes, BF16 bytes)
-
-    def add_layer(self) -> None:
-        self.created += 1
-
-    def processed(self, prefix: str, weights: tuple[layers.QuantizedWeight, ...]) -> None:
-        """Record a layer once (re-processing after a reload does not count twice); log the total at the last."""
-        first = prefix not in self.sizes
-        self.sizes[prefix] = (sum(w.nbytes for w in weights), sum(w.bf16_nbytes for w in weights))
-        if first and len(self.sizes) == self.created:
-            logger.info("nvfp4_sampler: %d quantized layers hold %.2f MiB, %.3fx their BF16 size (%.2f MiB)",
-                        self.created, self.nbytes / 2**20, self.ratio, self.bf16_nbytes / 2**20)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b for b, _ in self.sizes.values())
-
-    @property
-    def bf16_nbytes(self) -> int:
-        return sum(b for _, b in self.sizes.values())
-
-    @property
-    def ratio(self) -> float:
-        return self.nbytes / max(self.bf16_nbytes, 1)
-
 
 @register_quantization_config(METHOD_NAME)
 class NVFP4SamplerConfig(QuantizationConfig):
@@ -58,7 +24,7 @@ class NVFP4SamplerConfig(QuantizationConfig):
     def __init__(self, sampler: SamplerConfig | None = None):
         super().__init__()
         self.sampler = sampler or SamplerConfig()
-        self.memory = MemoryReport()
+        self.memory = layers.MemoryReport()
 
     def get_name(self) -> str:
         return METHOD_NAME
@@ -97,11 +63,16 @@ class NVFP4SamplerConfig(QuantizationConfig):
                 raise ValueError(f"nvfp4_sampler: keep_bf16 {list(self.sampler.keep_bf16)} splits the fused module "
                                  f"{prefix} ({names}); keep all of its parts or none")
             self.memory.add_layer()
-            return NVFP4LinearMethod(self.sampler, prefix, names, self.memory.processed)
+            return NVFP4LinearMethod(self.sampler, prefix, names, self._on_processed)
         if isinstance(layer, RoutedExperts):
             ckpt_prefix = prefix.removesuffix(".routed_experts")
             if not should_quantize(ckpt_prefix, self.sampler):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             self.memory.add_layer()
-            return NVFP4MoEMethod(self.sampler, layer.moe_config, ckpt_prefix, self.memory.processed)
+            return NVFP4MoEMethod(self.sampler, layer.moe_config, ckpt_prefix, self._on_processed)
         return None
+
+    def _on_processed(self, weights: tuple[layers.QuantizedWeight, ...]) -> None:
+        for w in weights:
+            self.memory.processed_weight(w)
+        self.memory.processed_layer()

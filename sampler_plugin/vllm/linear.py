@@ -89,7 +89,7 @@ class NVFP4LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.tracker(layer).check()
-        self.on_processed(self.prefix, (self.storage(layer),))
+        self.on_processed((self.storage(layer),))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # a row-parallel rank holds a K-slice of every token: its per-token amax must span all ranks

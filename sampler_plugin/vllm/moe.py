@@ -81,7 +81,7 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.nvfp4_tracker.check()
-        self.on_processed(self.ckpt_prefix, tuple(self.storage(layer).values()))
+        self.on_processed(tuple(self.storage(layer).values()))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
