@@ -34,7 +34,13 @@ def _stub_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__path__ = []                       # a package: submodules resolve through sys.modules
     module.InterpolationMode = InterpolationMode
-    module.__getattr__ = lambda attr: _unavailable(f"{name}.{attr}")
+
+    def getattr_(attr: str):
+        if attr.startswith("__"):              # __file__, __spec__, ...: inspect and importlib probe these
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+        return _unavailable(f"{name}.{attr}")
+
+    module.__getattr__ = getattr_
     sys.modules[name] = module
     return module
 
