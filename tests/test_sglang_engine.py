@@ -10,17 +10,22 @@ Run in the SGLang venv (see tests/sglang_helpers.py).
 """
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("sglang")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from converters.convert import convert  # noqa: E402
 from tests import models  # noqa: E402
+from tests.sglang_helpers import checkpoint_tensors as tensors
 from tests.sglang_helpers import make_engine, prompt_logprobs, update  # noqa: E402
 from tests.vllm_helpers import reference_logprobs, reference_model, token_ids  # noqa: E402
 
@@ -50,11 +55,6 @@ def ckpts(kind, tmp_path_factory):
         convert(paths[f"bf16_{s}"], d / f"pq_{s}")
         paths[f"pq_{s}"] = d / f"pq_{s}"
     return paths
-
-
-def tensors(path) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor of the HF folder `path` (all safetensors shards)."""
-    return {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +128,22 @@ def test_single_shard_update(kind, ckpts, ids, online, payload):
     save_file(state, mixed / "model.safetensors", metadata={"format": "pt"})
     ref = reference_logprobs(reference_model(mixed), ids)
     assert (prompt_logprobs(online, ids) - ref).abs().max().item() < TOL
+
+
+def test_missing_scale_fails_at_load_naming_the_tensor(tmp_path):
+    """A pre-quantized checkpoint without one weight_scale: the engine refuses to start and says which.
+    Run in a child process: SGLang ends the process that started a failed engine."""
+    convert(models.tiny_qwen3(tmp_path / "bf16"), tmp_path / "pq")
+    missing = "model.layers.1.mlp.down_proj.weight_scale"
+    state = tensors(tmp_path / "pq")
+    del state[missing]
+    for f in (tmp_path / "pq").glob("*.safetensors"):
+        f.unlink()
+    save_file(state, tmp_path / "pq" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "pq" / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {n: "model.safetensors" for n in state}}))
+    code = "import sys; from tests.sglang_helpers import make_engine; make_engine(sys.argv[1], dtype='float32')"
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "pq")], capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).parent.parent)
+    assert run.returncode != 0
+    assert f"nvfp4_sampler: checkpoint tensor(s) missing: {missing} " in run.stdout + run.stderr
