@@ -129,6 +129,24 @@ def expert_shards(prefix: str, expert: int, *, hidden: int, inter: int, tp_rank:
     }
 
 
+QKV_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}   # engines' string shard ids of a fused qkv layer
+
+
+def register_weight(module: torch.nn.Module, w: QuantizedWeight, loader, *, stem: str = "") -> None:
+    """Register w's tensors on `module` as frozen parameters `{stem}weight`, `{stem}weight_scale`,
+    `{stem}weight_scale_2`, each tagged with its kind (`nvfp4_kind`) and the engine's `weight_loader`."""
+    for kind, data in zip(KINDS, (w.codes, w.block_scales, w.global_scale)):
+        p = torch.nn.Parameter(data, requires_grad=False)
+        p.nvfp4_kind = kind
+        p.weight_loader = loader
+        module.register_parameter(f"{stem}{kind}", p)
+
+
+def module_weight(module: torch.nn.Module, *, stem: str = "") -> QuantizedWeight:
+    """The QuantizedWeight over the parameters `register_weight` put on `module`."""
+    return QuantizedWeight(*(getattr(module, f"{stem}{kind}").data for kind in KINDS))
+
+
 def check_block_aligned(name: str, k: int) -> None:
     """Raise ValueError unless K (a full or per-rank input size) is a multiple of 16."""
     if k % BLOCK:

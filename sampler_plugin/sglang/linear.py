@@ -16,17 +16,6 @@ from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from .. import layers
 from ..config import SamplerConfig
 
-_QKV_INDEX = {"q": 0, "k": 1, "v": 2}
-
-
-def parameter(data: torch.Tensor, kind: str, loader) -> torch.nn.Parameter:
-    """A frozen parameter over storage `data` whose SGLang weight_loader is `loader`."""
-    p = torch.nn.Parameter(data, requires_grad=False)
-    p.nvfp4_kind = kind
-    p.weight_loader = loader
-    return p
-
-
 class UpdateTracking:
     """Load bookkeeping shared by the linear and MoE methods (`layer.nvfp4_tracker`, `self.memory`).
 
@@ -70,9 +59,7 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
             raise ValueError(f"nvfp4_sampler: {self.prefix}: {len(output_partition_sizes)} output shards but "
                              f"checkpoint names {self.shard_names}")
         w = layers.create_weight(sum(output_partition_sizes), input_size_per_partition, name=self.prefix)
-        loader = self._loader(layer)
-        for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
-            layer.register_parameter(kind, parameter(data, kind, loader))
+        layers.register_weight(layer, w, self._loader(layer))
         shards, offset = [], 0
         for name, size in zip(self.shard_names, output_partition_sizes):
             shards.append(layers.Shard(name=name, shape=(size, input_size), rows=slice(offset, offset + size)))
@@ -83,7 +70,7 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
 
     def _loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
-            index = _QKV_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
+            index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
             shard = layer.nvfp4_tracker.shards[index]
             layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
             layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
@@ -91,7 +78,7 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
-        return layers.QuantizedWeight(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data)
+        return layers.module_weight(layer)
 
     def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
         return [self.storage(layer)]

@@ -15,7 +15,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from .. import layers
 from ..config import SamplerConfig
-from .linear import UpdateTracking, parameter
+from .linear import UpdateTracking
 
 
 class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
@@ -39,8 +39,7 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
                                   name=f"{self.prefix}.*.down_proj")
         loader = self._loader(layer)
         for stem, w in (("w13", w13), ("w2", w2)):
-            for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
-                layer.register_parameter(f"{stem}_{kind}", parameter(data, kind, loader))
+            layers.register_weight(layer, w, loader, stem=f"{stem}_")
         layer.nvfp4_shards = [layers.expert_shards(self.prefix, e, hidden=hidden_size, inter=inter)
                               for e in range(num_experts)]
         layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
@@ -58,9 +57,7 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
-        return {stem: layers.QuantizedWeight(getattr(layer, f"{stem}_weight").data,
-                                             getattr(layer, f"{stem}_weight_scale").data,
-                                             getattr(layer, f"{stem}_weight_scale_2").data) for stem in ("w13", "w2")}
+        return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
 
     def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
         return list(self.storage(layer).values())

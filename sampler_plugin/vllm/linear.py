@@ -17,16 +17,6 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMetho
 from .. import layers
 from ..config import SamplerConfig
 
-_QKV_INDEX = {"q": 0, "k": 1, "v": 2}
-
-
-def _parameter(data: torch.Tensor, kind: str, loader) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(data, requires_grad=False)
-    p.nvfp4_kind = kind
-    p.weight_loader = loader
-    return p
-
-
 def linear_shards(layer: torch.nn.Module, shard_names: list[str]) -> list[layers.Shard]:
     """The checkpoint tensors of a (possibly fused, possibly tensor-parallel) vLLM linear layer."""
     sizes, input_size, k_part = layer.nvfp4_geometry
@@ -62,12 +52,11 @@ class NVFP4LinearMethod(LinearMethodBase):
                              f"checkpoint names {self.shard_names}")
         w = layers.create_weight(sum(output_partition_sizes), input_size_per_partition, name=self.prefix)
         layer.nvfp4_geometry = (list(output_partition_sizes), input_size, input_size_per_partition)
-        for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
-            layer.register_parameter(kind, _parameter(data, kind, self._loader(layer)))
+        layers.register_weight(layer, w, self._loader(layer))
 
     def _loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-            index = _QKV_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
+            index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
             shard = self.shards(layer)[index]
             layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
             self.tracker(layer).record(shard, param.nvfp4_kind, loaded_weight)
@@ -85,7 +74,7 @@ class NVFP4LinearMethod(LinearMethodBase):
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
-        return layers.QuantizedWeight(layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data)
+        return layers.module_weight(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.tracker(layer).check()

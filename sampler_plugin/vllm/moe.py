@@ -14,9 +14,6 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from .. import layers
 from ..config import SamplerConfig
 
-# vLLM's shard ids -> checkpoint projection names (HF Qwen / Llama / DeepSeek naming).
-PROJ_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
 
 class NVFP4MoEMethod(FusedMoEMethodBase):
     """W4A4 SwiGLU experts of the MoE layer whose checkpoint prefix is `ckpt_prefix` ("...mlp.experts")."""
@@ -40,12 +37,9 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
                                    name=f"{self.ckpt_prefix}.*.gate_proj/up_proj")
         w2 = layers.create_weight(hidden_size, inter, experts=num_experts, global_per_row=False,
                                   name=f"{self.ckpt_prefix}.*.down_proj (intermediate size per tensor-parallel rank)")
+        loader = self._loader(layer)
         for stem, w in (("w13", w13), ("w2", w2)):
-            for kind, data in zip(layers.KINDS, (w.codes, w.block_scales, w.global_scale)):
-                p = torch.nn.Parameter(data, requires_grad=False)
-                p.nvfp4_kind = kind
-                p.weight_loader = self._loader(layer)
-                layer.register_parameter(f"{stem}_{kind}", p)
+            layers.register_weight(layer, w, loader, stem=f"{stem}_")
         layer.nvfp4_geometry = (hidden_size, inter, parallel.tp_rank, parallel.tp_size)
         layer.nvfp4_tracker = layers.LoadTracker(
             s for e in range(num_experts) for s in self.expert_shards(layer, e).values())
@@ -53,15 +47,8 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
     def expert_shards(self, layer: torch.nn.Module, expert: int) -> dict[str, layers.Shard]:
         """Shards of expert `expert` on this rank, keyed by vLLM shard id (w1, w3, w2)."""
         hidden, inter, tp_rank, tp_size = layer.nvfp4_geometry
-        name = f"{self.ckpt_prefix}.{expert}"
-        part = slice(tp_rank * inter, (tp_rank + 1) * inter)
-        return {
-            "w1": layers.Shard(f"{name}.{PROJ_NAMES['w1']}", (inter * tp_size, hidden), slice(0, inter), expert, src_rows=part),
-            "w3": layers.Shard(f"{name}.{PROJ_NAMES['w3']}", (inter * tp_size, hidden), slice(inter, 2 * inter), expert,
-                               src_rows=part),
-            "w2": layers.Shard(f"{name}.{PROJ_NAMES['w2']}", (hidden, inter * tp_size), slice(0, hidden), expert,
-                               src_cols=part),
-        }
+        return layers.expert_shards(self.ckpt_prefix, expert, hidden=hidden, inter=inter, tp_rank=tp_rank,
+                                    tp_size=tp_size)
 
     def _loader(self, layer: torch.nn.Module):
         def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
@@ -75,9 +62,7 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
-        return {stem: layers.QuantizedWeight(getattr(layer, f"{stem}_weight").data,
-                                             getattr(layer, f"{stem}_weight_scale").data,
-                                             getattr(layer, f"{stem}_weight_scale_2").data) for stem in ("w13", "w2")}
+        return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.nvfp4_tracker.check()
