@@ -37,9 +37,9 @@ test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 	$(SGLANG_VENV)/bin/python -m pytest -q -m "not gpu" tests/test_sglang_*.py
 
-# On the H200 (device tool): see README "GPU tests".
+# On the H200 (device tool; its image has torch, triton and pytest): see README "GPU tests and benchmarks".
 test-gpu:
-	$(PY) -m pytest -q -m gpu tests
+	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
