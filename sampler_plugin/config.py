@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 METHOD_NAME = "nvfp4_sampler"
 FORMAT_VERSION = 1
 ACTIVATION_SCALINGS = ("per_token", "per_tensor")
@@ -64,3 +66,24 @@ class SamplerConfig:
         d = dataclasses.asdict(self)
         d["keep_bf16"] = list(self.keep_bf16)
         return {"quant_method": METHOD_NAME, "format_version": FORMAT_VERSION, **d}
+
+
+class EngineConfigBasics:
+    """The answers vLLM's and SGLang's QuantizationConfig both ask for, identical in both engines.
+
+    Engine adapters list it before their engine's QuantizationConfig base class.
+    """
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0      # the torch reference backend runs on every device
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []     # quantization_config lives in config.json; none: online quantization

@@ -10,7 +10,7 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from .. import layers
-from ..config import METHOD_NAME, SamplerConfig
+from ..config import EngineConfigBasics, SamplerConfig
 from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
@@ -19,7 +19,7 @@ from .moe import NVFP4MoEMethod
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-class NVFP4SamplerConfig(QuantizationConfig):
+class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
     """`--quantization nvfp4_sampler`, or `quantization_config.quant_method: nvfp4_sampler` in config.json."""
 
     def __init__(self, sampler: SamplerConfig | None = None, packed_modules_mapping: dict | None = None):
@@ -27,20 +27,6 @@ class NVFP4SamplerConfig(QuantizationConfig):
         self.sampler = sampler or SamplerConfig()
         self.packed_modules_mapping = {**DEFAULT_PACKED_MODULES, **(packed_modules_mapping or {})}
         self.memory = layers.MemoryReport()      # logged once every quantized layer is loaded
-
-    def get_name(self) -> str:
-        return METHOD_NAME
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0      # the torch reference backend runs on every device
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":

@@ -11,34 +11,20 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from .. import layers
-from ..config import METHOD_NAME, SamplerConfig
+from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig
 from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
 
 @register_quantization_config(METHOD_NAME)
-class NVFP4SamplerConfig(QuantizationConfig):
+class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
     """`--quantization nvfp4_sampler`, or `quantization_config.quant_method: nvfp4_sampler` in config.json."""
 
     def __init__(self, sampler: SamplerConfig | None = None):
         super().__init__()
         self.sampler = sampler or SamplerConfig()
         self.memory = layers.MemoryReport()
-
-    def get_name(self) -> str:
-        return METHOD_NAME
-
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0      # the torch reference backend runs on every device
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
