@@ -14,6 +14,7 @@ import tests.sglang_helpers  # noqa: E402,F401  (torchvision stub on sys.path be
 from kernels import reference  # noqa: E402
 from sampler_plugin import sglang as adapter  # noqa: E402
 from sampler_plugin.config import SamplerConfig  # noqa: E402
+from sampler_plugin.policy import fused_shard_names  # noqa: E402
 
 PREFIX = "model.layers.0.self_attn.o_proj"
 
@@ -44,8 +45,8 @@ def test_from_config_takes_sglang_keys_and_rejects_unknown_options(config_cls):
     cfg = config_cls.from_config({**SamplerConfig(keep_bf16=("model.layers.0.",), prequantized=True).to_dict(),
                                   "packed_modules_mapping": {"w12": ["w1", "w2"]}, "hf_config": object()})
     assert cfg.sampler == SamplerConfig(keep_bf16=("model.layers.0.",), prequantized=True)
-    assert cfg.shard_names("model.layers.1.mlp.w12") == ["model.layers.1.mlp.w1", "model.layers.1.mlp.w2"]
-    assert cfg.shard_names("model.layers.1.self_attn.qkv_proj") == [
+    assert fused_shard_names("model.layers.1.mlp.w12", cfg.packed_modules_mapping) == ["model.layers.1.mlp.w1", "model.layers.1.mlp.w2"]
+    assert fused_shard_names("model.layers.1.self_attn.qkv_proj", cfg.packed_modules_mapping) == [
         f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
     with pytest.raises(ValueError, match="unknown quantization_config option.*'block'"):
         config_cls.from_config({"quant_method": "nvfp4_sampler", "block": 32})

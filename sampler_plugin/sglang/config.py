@@ -11,7 +11,7 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from .. import layers
 from ..config import EngineConfigBasics, SamplerConfig
-from ..policy import should_quantize
+from ..policy import quantized_linear_shards, should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
@@ -39,23 +39,11 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
     def get_scaled_act_names(self) -> list[str]:
         return []
 
-    def shard_names(self, prefix: str) -> list[str]:
-        """Checkpoint prefixes of the tensors fused into module `prefix` (itself if not fused)."""
-        parent, _, leaf = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(leaf)
-        if not parts:
-            return [prefix]
-        return [f"{parent}.{p}" if parent else p for p in parts]
-
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
-            names = self.shard_names(prefix)
-            keep = [not should_quantize(n, self.sampler) for n in [prefix, *names]]
-            if all(keep):
+            names = quantized_linear_shards(prefix, self.packed_modules_mapping, self.sampler)
+            if names is None:
                 return UnquantizedLinearMethod()
-            if any(keep):
-                raise ValueError(f"nvfp4_sampler: keep_bf16 {list(self.sampler.keep_bf16)} splits the fused module "
-                                 f"{prefix} ({names}); keep all of its parts or none")
             return NVFP4LinearMethod(self.sampler, prefix, names, self.memory)
         if isinstance(layer, FusedMoE) and should_quantize(prefix, self.sampler):
             return NVFP4MoEMethod(self.sampler, prefix, self.memory)

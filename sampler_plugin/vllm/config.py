@@ -12,7 +12,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from .. import layers
 from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig
-from ..policy import should_quantize
+from ..policy import quantized_linear_shards, should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
@@ -30,24 +30,12 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
         return cls(SamplerConfig.from_dict(config))
 
-    def shard_names(self, prefix: str) -> list[str]:
-        """Checkpoint prefixes of the tensors fused into module `prefix` (itself if not fused)."""
-        parent, _, leaf = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(leaf)
-        if not parts:
-            return [prefix]
-        return [f"{parent}.{p}" if parent else p for p in parts]
-
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
-            names = self.shard_names(prefix)
-            keep = [not should_quantize(n, self.sampler) for n in [prefix, *names]]
-            if all(keep):
+            names = quantized_linear_shards(prefix, self.packed_modules_mapping, self.sampler)
+            if names is None:
                 layer._cpu_skip_gemm_dispatch = True    # keep a plain, reloadable BF16 weight on CPU
                 return UnquantizedLinearMethod()
-            if any(keep):
-                raise ValueError(f"nvfp4_sampler: keep_bf16 {list(self.sampler.keep_bf16)} splits the fused module "
-                                 f"{prefix} ({names}); keep all of its parts or none")
             self.memory.add_layer()
             return NVFP4LinearMethod(self.sampler, prefix, names, self._on_processed)
         if isinstance(layer, RoutedExperts):
