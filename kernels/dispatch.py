@@ -113,8 +113,6 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     amax: optional activation amax override, fp32 [...] per token or [] per tensor (see
     `reference.quantize_activations`); None lets the backend reduce x itself.
     """
-    if amax is None:
-        return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling)
     return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling, amax=amax)
 
 
