@@ -12,6 +12,15 @@ functions. The float operations and their order follow vLLM's emulation referenc
 
 All fp32, in this order. The fp32-max caps keep every intermediate finite, so no NaN can appear;
 a block whose scale is 0 (all zeros, or underflowed) encodes as signed zeros.
+
+`op_order="te"` (keyword on every quantizer) follows TransformerEngine's NVFP4 quantizer instead,
+bit for bit, so a sampler can reproduce a TE learner's codes (docs/FORMAT.md section 7):
+  per tensor / weights (1D, 2D)  S_enc = min(2688 / amax, FLT_MAX) (one rounding; 1 if amax == 0)
+                                 s = e4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX))
+                                 inv = min(1 / (float(s) * (1 / S_enc)), FLT_MAX)   (1/0 -> FLT_MAX)
+  per token (row-scaled)         S_enc = min(2688 / max(amax_row, 1e-12), FLT_MAX), s as above,
+                                 inv = min(S_enc / float(s), FLT_MAX), 0 where s == 0
+(TE `common/cast/nvfp4/core_nvfp4.cuh` and `pytorch/custom_recipes/quantization_nvfp4_per_token.py`).
 Non-finite input (NaN, +-Inf) raises ValueError: an amax of Inf or NaN would silently poison every
 scale of the row or tensor. docs/FORMAT.md states the format and where vLLM, compressed-tensors and
 TransformerEngine differ from it.
@@ -40,21 +49,36 @@ def _check_input(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: contains NaN or Inf; NVFP4 quantization needs finite input")
 
 
-def encode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = fp32(1 / amax) * 2688 in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape.
+OP_ORDERS = ("vllm", "te")
+_TE_ROW_AMAX_FLOOR = 1e-12      # TE's per-token kernel divides by fmaxf(row_amax, 1e-12f)
 
-    Two roundings, as torch evaluates `2688 / amax` (Tensor.__rtruediv__ = reciprocal * scalar),
-    which is how vLLM's and compressed-tensors' references compute it.
+
+def _check_op_order(op_order: str) -> None:
+    if op_order not in OP_ORDERS:
+        raise ValueError(f"op_order must be one of {OP_ORDERS}, got {op_order!r}")
+
+
+def encode_scale_from_amax(amax: torch.Tensor, *, op_order: str = "vllm") -> torch.Tensor:
+    """S_enc in fp32 (amax == 0 -> 1, clamped to the fp32 max). Any shape.
+
+    op_order "vllm": fp32(1 / amax) * 2688, two roundings, as torch evaluates `2688 / amax`
+      (Tensor.__rtruediv__ = reciprocal * scalar), which is how vLLM's and compressed-tensors'
+      references compute it. "te": one correctly rounded division 2688 / amax, as TransformerEngine's
+      `compute_global_encode_scaling_factor_FP4`.
     """
+    _check_op_order(op_order)
     amax = amax.float()
-    s_enc = torch.reciprocal(amax) * GLOBAL_ENCODE_NUMERATOR
+    if op_order == "te":
+        s_enc = torch.full_like(amax, GLOBAL_ENCODE_NUMERATOR) / amax
+    else:
+        s_enc = torch.reciprocal(amax) * GLOBAL_ENCODE_NUMERATOR
     s_enc = torch.clamp(s_enc, max=_FLT_MAX)
     return torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
 
 
-def decode_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+def decode_scale_from_amax(amax: torch.Tensor, *, op_order: str = "vllm") -> torch.Tensor:
     """S_dec = 1 / S_enc in fp32, the `global_scale` stored with codes. Any shape."""
-    return 1.0 / encode_scale_from_amax(amax)
+    return 1.0 / encode_scale_from_amax(amax, op_order=op_order)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -86,13 +110,24 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
-def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Tensor) -> NVFP4Tensor:
-    """x [..., K]; block_amax [..., K/16] fp32; s_enc fp32 whose shape is a prefix of x.shape[:-1]."""
+def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Tensor, *,
+                     op_order: str = "vllm", per_row: bool = False) -> NVFP4Tensor:
+    """x [..., K]; block_amax [..., K/16] fp32; s_enc fp32 whose shape is a prefix of x.shape[:-1].
+
+    op_order/per_row pick the block-scale and element-scale formulas (module docstring)."""
     s_enc_b = s_enc.reshape(*s_enc.shape, *([1] * (x.dim() - s_enc.dim())))    # [..., 1]
-    scale = s_enc_b * (block_amax * _E2M1_MAX_INV)                              # [..., K/16]
+    if op_order == "te":
+        scale = torch.clamp(block_amax * (s_enc_b * _E2M1_MAX_INV), max=_FLT_MAX)
+    else:
+        scale = s_enc_b * (block_amax * _E2M1_MAX_INV)                          # [..., K/16]
     scale = torch.clamp(scale, min=-E4M3_MAX, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    dec = scale.float() * (1.0 / s_enc_b)                                       # [..., K/16]
-    inv = torch.where(dec == 0, 0.0, torch.clamp(1.0 / dec, max=_FLT_MAX))   # 1/0 := 0
+    if op_order == "te" and per_row:                                            # S_enc / s, 0 for s == 0
+        inv = torch.where(scale.float() == 0, 0.0, torch.clamp(s_enc_b / scale.float(), max=_FLT_MAX))
+    elif op_order == "te":                                                      # 1/0 := FLT_MAX
+        inv = torch.clamp(1.0 / (scale.float() * (1.0 / s_enc_b)), max=_FLT_MAX)
+    else:
+        dec = scale.float() * (1.0 / s_enc_b)                                   # [..., K/16]
+        inv = torch.where(dec == 0, 0.0, torch.clamp(1.0 / dec, max=_FLT_MAX))   # 1/0 := 0
     xb = x.float().unflatten(-1, (-1, BLOCK))                                   # [..., K/16, 16]
     scaled = torch.clamp(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
     codes = pack_nibbles(e2m1_encode(scaled).flatten(-2))
@@ -118,50 +153,62 @@ def _block_amax_2d(w: torch.Tensor) -> torch.Tensor:
     return tiles.expand(*tiles.shape[:-2], BLOCK, a.shape[-1]).flatten(-3, -2)[..., :n, :]
 
 
-def quantize_per_token(x: torch.Tensor, *, row_amax: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_per_token(x: torch.Tensor, *, row_amax: torch.Tensor | None = None,
+                       op_order: str = "vllm") -> NVFP4Tensor:
     """Per-token NVFP4: x [..., K] float -> codes [..., K/2], scales [..., K/16], global_scale [...].
 
     Each row has its own S_dec = amax_row / 2688, so a row's codes do not depend on other rows.
     row_amax: optional fp32 [...] used instead of max|x| per row: the amax of the whole token row
       when x holds only a K-slice of it (a tensor-parallel rank of a row-parallel layer).
+    op_order: "vllm" (default, the spec) or "te" (TransformerEngine's row-scaled quantizer).
     """
     _check_input(x, "x")
+    _check_op_order(op_order)
     amax = x.abs().float().amax(-1) if row_amax is None else row_amax.float().reshape(x.shape[:-1])
-    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax))
+    if op_order == "te":
+        amax = amax.clamp(min=_TE_ROW_AMAX_FLOOR)
+    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax, op_order=op_order),
+                            op_order=op_order, per_row=True)
 
 
-def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm") -> NVFP4Tensor:
     """Per-tensor NVFP4: one S_dec for the whole tensor (global_scale shape []).
 
     amax: optional fp32 scalar (a calibrated or shared amax) used instead of max|x|.
+    op_order: "vllm" (default, the spec) or "te" (TransformerEngine's quantizer).
     """
     _check_input(x, "x")
+    _check_op_order(op_order)
     amax = x.abs().float().amax() if amax is None else amax.float().reshape(())
-    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax))
+    return _quantize_blocks(x, _block_amax_1d(x), encode_scale_from_amax(amax, op_order=op_order), op_order=op_order)
 
 
 def quantize_activations(x: torch.Tensor, *, scaling: str = "per_token",
-                         amax: torch.Tensor | None = None) -> NVFP4Tensor:
+                         amax: torch.Tensor | None = None, op_order: str = "vllm") -> NVFP4Tensor:
     """Quantize activations x [..., K] with scaling "per_token" (default) or "per_tensor".
 
     amax: optional second-level amax instead of the one x gives: fp32 [...] per token, [] per
     tensor (e.g. all-reduced over the tensor-parallel ranks that each hold a K-slice of x).
+    op_order: "vllm" (default) or "te".
     """
     if scaling == "per_token":
-        return quantize_per_token(x, row_amax=amax)
+        return quantize_per_token(x, row_amax=amax, op_order=op_order)
     if scaling == "per_tensor":
-        return quantize_per_tensor(x, amax=amax)
+        return quantize_per_tensor(x, amax=amax, op_order=op_order)
     raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
 
 
-def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
+                    op_order: str = "vllm") -> NVFP4Tensor:
     """Quantize a weight [N, K] (global_scale []) or stacked experts [E, N, K] (global_scale [E]).
 
     recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles, TransformerEngine's weight recipe: every tile
       shares one scale, so the transposed weight quantizes to the same values).
     amax: optional fp32 [] or [E] overriding max|w| (e.g. the max over a fused q/k/v group).
+    op_order: "vllm" (default, the spec) or "te" (TransformerEngine's quantizer, bit for bit).
     """
     _check_input(w, "weight")
+    _check_op_order(op_order)
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if recipe == "1d":
@@ -172,8 +219,23 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
         raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
     if amax is None:
         amax = w.abs().float().amax(dim=(-2, -1))
-    s_enc = encode_scale_from_amax(amax)                                      # [] or [E]
-    return _quantize_blocks(w, block_amax, s_enc)
+    s_enc = encode_scale_from_amax(amax, op_order=op_order)                   # [] or [E]
+    return _quantize_blocks(w, block_amax, s_enc, op_order=op_order)
+
+
+def quantize_weight_group(ws: list[torch.Tensor], *, recipe: str = "1d", op_order: str = "vllm") -> list[NVFP4Tensor]:
+    """Quantize the shards of a fused group (q/k/v, gate/up: each [N_i, K], or experts [E, N_i, K])
+    with ONE shared second-level scale: amax = max over the whole group (per expert when stacked),
+    as learners that quantize a fused QKV / gate-up tensor do (Megatron + TE). Every returned
+    tensor has the same global_scale; concatenated along N they equal quantizing the fused tensor
+    with the 1d recipe (the 2d recipe tiles each shard on its own, as the shards are stored)."""
+    if not ws or len({(w.dim(), w.shape[-1], *w.shape[:-2]) for w in ws}) != 1:
+        raise ValueError(f"a fused group needs >= 1 shards of one K (and expert count), got "
+                         f"{[tuple(w.shape) for w in ws]}")
+    for i, w in enumerate(ws):
+        _check_input(w, f"shard {i}")
+    amax = torch.stack([w.abs().float().amax(dim=(-2, -1)) for w in ws]).amax(0)
+    return [quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order) for w in ws]
 
 
 def dequantize(t: NVFP4Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
