@@ -12,12 +12,13 @@ import importlib.util
 
 import torch
 
-from . import reference
+from . import cpu_quant, reference
 from .format import NVFP4Tensor
 
 
 class ReferenceBackend:
-    """The executable spec in plain torch: any device, slow. Weights stay packed."""
+    """The executable spec in plain torch: any device, slow. Weights stay packed. CPU weights are
+    quantized by `kernels.cpu_quant` (the same bits, chunked, ~20x faster)."""
 
     name = "reference"
 
@@ -27,7 +28,8 @@ class ReferenceBackend:
 
     @staticmethod
     def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
-        return reference.quantize_weight(w, recipe=recipe, amax=amax)
+        quantizer = cpu_quant if w.device.type == "cpu" else reference
+        return quantizer.quantize_weight(w, recipe=recipe, amax=amax)
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,

@@ -38,15 +38,18 @@ _E2M1_MAX_INV = 1.0 / E2M1_MAX            # multiplied into fp32 tensors, so it 
 # E2M1 round-to-nearest-even decision points on |x|: code c+1 starts at _THRESH[c];
 # a tie goes to the even code, hence strict '>' above odd codes and '>=' above even ones.
 _THRESH = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+NONFINITE_MESSAGE = "{name}: contains NaN or Inf; NVFP4 quantization needs finite input"
 
 
-def _check_input(x: torch.Tensor, name: str) -> None:
+def _check_input(x: torch.Tensor, name: str, *, finite: bool = True) -> None:
+    """dtype and K % 16 of a quantizer input; with finite=True also NaN/Inf (kernels.cpu_quant checks
+    those from its block amax instead)."""
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name}: expected one of {_FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"{name}: last dim K={x.shape[-1] if x.dim() else None} must be a multiple of {BLOCK}")
-    if not torch.isfinite(x).all():
-        raise ValueError(f"{name}: contains NaN or Inf; NVFP4 quantization needs finite input")
+    if finite and not torch.isfinite(x).all():
+        raise ValueError(NONFINITE_MESSAGE.format(name=name))
 
 
 OP_ORDERS = ("vllm", "te")
@@ -115,7 +118,18 @@ def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Ten
     """x [..., K]; block_amax [..., K/16] fp32; s_enc fp32 whose shape is a prefix of x.shape[:-1].
 
     op_order/per_row pick the block-scale and element-scale formulas (module docstring)."""
-    s_enc_b = s_enc.reshape(*s_enc.shape, *([1] * (x.dim() - s_enc.dim())))    # [..., 1]
+    scale, inv = block_scales(block_amax, s_enc, op_order=op_order, per_row=per_row)
+    xb = x.float().unflatten(-1, (-1, BLOCK))                                   # [..., K/16, 16]
+    scaled = torch.clamp(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
+    codes = pack_nibbles(e2m1_encode(scaled).flatten(-2))
+    return NVFP4Tensor(codes, scale, (1.0 / s_enc.float()).contiguous())
+
+
+def block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor, *, op_order: str = "vllm",
+                 per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 block scales and the fp32 element multipliers `inv`, both [..., K/16], from block_amax
+    [..., K/16] fp32 and s_enc fp32 (shape a prefix of block_amax.shape[:-1])."""
+    s_enc_b = s_enc.reshape(*s_enc.shape, *([1] * (block_amax.dim() - s_enc.dim())))    # [..., 1]
     if op_order == "te":
         scale = torch.clamp(block_amax * (s_enc_b * _E2M1_MAX_INV), max=_FLT_MAX)
     else:
@@ -128,10 +142,7 @@ def _quantize_blocks(x: torch.Tensor, block_amax: torch.Tensor, s_enc: torch.Ten
     else:
         dec = scale.float() * (1.0 / s_enc_b)                                   # [..., K/16]
         inv = torch.where(dec == 0, 0.0, torch.clamp(1.0 / dec, max=_FLT_MAX))   # 1/0 := 0
-    xb = x.float().unflatten(-1, (-1, BLOCK))                                   # [..., K/16, 16]
-    scaled = torch.clamp(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
-    codes = pack_nibbles(e2m1_encode(scaled).flatten(-2))
-    return NVFP4Tensor(codes, scale, (1.0 / s_enc.float()).contiguous())
+    return scale, inv
 
 
 def _block_amax_1d(x: torch.Tensor) -> torch.Tensor:
@@ -144,9 +155,13 @@ def _block_amax_2d(w: torch.Tensor) -> torch.Tensor:
 
     N need not be a multiple of 16: the last tile is padded with zeros (as TransformerEngine does).
     """
-    n = w.shape[-2]
+    return tile_amax_2d(_block_amax_1d(w))
+
+
+def tile_amax_2d(a: torch.Tensor) -> torch.Tensor:
+    """1x16 block amax [..., N, K/16] -> the amax of the 16x16 tile each block lies in (same shape)."""
+    n = a.shape[-2]
     pad = (-n) % BLOCK
-    a = _block_amax_1d(w)                                                     # [..., N, K/16]
     if pad:
         a = torch.cat([a, a.new_zeros(*a.shape[:-2], pad, a.shape[-1])], dim=-2)
     tiles = a.unflatten(-2, (-1, BLOCK)).amax(-2, keepdim=True)              # [..., N/16, 1, K/16]
