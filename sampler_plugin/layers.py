@@ -314,6 +314,17 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, kind
 
 
+def check_group(prefix: str, group: Mapping[str, torch.Tensor]) -> None:
+    """Raise ValueError unless an update's tensors of checkpoint tensor `prefix` ({kind: tensor}) are a
+    float weight alone (quantized on arrival) or the whole NVFP4 triplet."""
+    online = "weight" in group and group["weight"].dtype in _FLOAT_DTYPES
+    expected = {"weight"} if online else set(KINDS)
+    if set(group) != expected:
+        wrong = sorted(expected - set(group)) or sorted(set(group) - expected)
+        raise ValueError(f"nvfp4_sampler: {prefix}.{wrong[0]}: an update of {prefix} holds either a float "
+                         f"weight (quantized on arrival) or all of {list(KINDS)}; got {sorted(group)}")
+
+
 def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
                  config: SamplerConfig) -> list[str]:
     """Write checkpoint-named `tensors` into a running model, all-or-nothing.
@@ -341,12 +352,7 @@ def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tens
         validate(target.shard, kind, tensor)
         groups.setdefault(prefix, {})[kind] = tensor
     for prefix, group in groups.items():
-        online = "weight" in group and group["weight"].dtype in _FLOAT_DTYPES
-        expected = {"weight"} if online else set(KINDS)
-        if set(group) != expected:
-            wrong = sorted(expected - set(group)) or sorted(set(group) - expected)
-            raise ValueError(f"nvfp4_sampler: {prefix}.{wrong[0]}: an update of {prefix} holds either a float "
-                             f"weight (quantized on arrival) or all of {list(KINDS)}; got {sorted(group)}")
+        check_group(prefix, group)
     for param, tensor in plain:
         param.copy_(tensor)
     for prefix, group in groups.items():

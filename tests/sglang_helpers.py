@@ -67,12 +67,65 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
     return {n: t for f in sorted(Path(path).glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
-def update(engine, tensors: dict[str, torch.Tensor]) -> None:
-    """One SGLang weight-update session: begin, update_weights_from_tensor(checkpoint-named tensors), end."""
+def update(engine, tensors: dict[str, torch.Tensor], *, load_format: str | None = None) -> None:
+    """One SGLang weight-update session: begin, update_weights_from_tensor(checkpoint-named tensors), end.
+    load_format="flattened_bucket": the tensors travel as miles sends them (`bucket_payloads`)."""
+    payload = list(tensors.items()) if load_format is None else bucket_payloads(tensors)
     steps = (("begin_weight_update", engine.begin_weight_update),
-             ("update_weights_from_tensor", lambda: engine.update_weights_from_tensor(list(tensors.items()))),
+             ("update_weights_from_tensor", lambda: engine.update_weights_from_tensor(payload, load_format=load_format)),
              ("end_weight_update", engine.end_weight_update))
     for step, call in steps:
         success, message = call()
         assert success, f"{step}: {message}"
 
+
+def bucket_payloads(tensors: dict[str, torch.Tensor], *, inline: bool = False) -> list[str]:
+    """`update_weights_from_tensor(load_format="flattened_bucket")` payload (one entry per TP rank), as miles
+    builds it: SGLang's FlattenedTensorBucket of all dtypes, serialized by MultiprocessingSerializer (base64).
+    inline: plain pickle instead, the data inside the payload, for a server in another process (on CPU, torch's
+    shared-memory handles do not cross unrelated processes; a GPU trainer sends CUDA IPC handles)."""
+    import base64
+    import pickle
+
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=list(tensors.items()))
+    data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    if inline:
+        return [base64.b64encode(pickle.dumps(data)).decode()]
+    return [MultiprocessingSerializer.serialize(data, output_str=True)]
+
+
+def save_checkpoint(tensors: dict[str, torch.Tensor], path) -> Path:
+    """`tensors` as one safetensors file in folder `path` (a full or partial checkpoint for update_weights_from_disk)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def bad_updates(bf16: dict[str, torch.Tensor], pq: dict[str, torch.Tensor], *, quantized: str, plain: str,
+                triplet: str) -> dict[str, tuple[dict[str, torch.Tensor], str]]:
+    """Updates that hold the `bf16` checkpoint's tensors first and one bad tensor last:
+    {case: (named tensors, what the error must say)}. quantized: a quantized checkpoint tensor's prefix;
+    plain: a BF16 tensor (a norm); triplet: a prefix sent as the NVFP4 triplet taken from `pq`."""
+    w = bf16[f"{quantized}.weight"]
+    nan = w.clone()
+    nan.view(-1)[-1] = float("nan")
+    codes, scale, scale_2 = (pq[f"{triplet}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2"))
+    cases = {
+        "shape": ({f"{quantized}.weight": w[:, :-16]}, f"{quantized}.weight: shape"),
+        "nan": ({f"{quantized}.weight": nan}, f"{quantized}.weight: contains NaN or Inf"),
+        "plain_shape": ({plain: bf16[plain][:-1]}, f"{plain}: AssertionError"),
+        "plain_inf": ({plain: torch.full_like(bf16[plain], float("inf"))}, f"{plain}: contains NaN or Inf"),
+        "unknown": ({"model.layers.0.mlp.no_such_proj.weight": w}, "model.layers.0.mlp.no_such_proj.weight: no parameter"),
+        "scale_dtype": ({f"{triplet}.weight": codes, f"{triplet}.weight_scale": scale.float(),
+                         f"{triplet}.weight_scale_2": scale_2}, f"{triplet}.weight_scale: dtype torch.float32"),
+        "incomplete_triplet": ({f"{triplet}.weight": codes, f"{triplet}.weight_scale": scale},
+                               f"{triplet}.weight_scale_2: an update of {triplet} holds either"),
+    }
+    return {case: ({**{n: t for n, t in bf16.items() if n not in bad}, **bad}, said)
+            for case, (bad, said) in cases.items()}

@@ -102,11 +102,8 @@ def test_linear_equals_reference_and_session_updates(linear):
     linear.quant_method.process_weights_after_loading(linear)
     assert torch.equal(linear(x)[0], reference.linear(x, q1, bias=bias))
 
-    # a session that writes part of a triplet is refused at end_weight_update, naming what is missing
-    linear.quant_method.restore_weights_before_loading(linear)
-    load(linear, {"weight_scale": q1.block_scales})
-    with pytest.raises(ValueError, match=rf"missing: {PREFIX}.weight, {PREFIX}.weight_scale_2"):
-        linear.quant_method.process_weights_after_loading(linear)
+    # later post-load calls (end_weight_update) check nothing: updates are checked whole up front (updates.py)
+    linear.quant_method.process_weights_after_loading(linear)
 
 
 def test_linear_refuses_bad_tensors(linear):
@@ -116,4 +113,100 @@ def test_linear_refuses_bad_tensors(linear):
         load(linear, {"weight_scale": torch.ones(48, 4)})
     load(linear, {"weight": torch.zeros(48, 32, dtype=torch.uint8)})
     with pytest.raises(ValueError, match=rf"missing: {PREFIX}.weight_scale, {PREFIX}.weight_scale_2"):
-        linear.quant_method.process_weights_after_loading(linear)
+        linear.quant_method.process_weights_after_loading(linear)     # at start-up: names what never arrived
+
+
+class TinyModel(torch.nn.Module):
+    """A quantized ReplicatedLinear plus a BF16 norm, with a load_weights that streams its input the way
+    SGLang's models do (checkpoint name -> parameter -> its weight_loader, unknown names skipped)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.proj = linear
+        self.norm = torch.nn.Parameter(torch.ones(64), requires_grad=False)      # no weight_loader: SGLang's default
+
+    def load_weights(self, weights):
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if name.startswith(PREFIX + "."):
+                name = "proj." + name.rpartition(".")[2]
+            if name in params:
+                getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
+
+
+@pytest.fixture
+def tiny(linear):
+    model = TinyModel(linear)
+    torch.manual_seed(0)
+    model.load_weights([(f"{PREFIX}.weight", torch.randn(48, 64).bfloat16()), (f"{PREFIX}.bias", torch.randn(48))])
+    linear.quant_method.process_weights_after_loading(linear)
+    return model
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def bad_updates() -> dict[str, tuple[list, str]]:
+    """Updates whose bad tensor comes last, after good ones: (named tensors, the name the error must give)."""
+    q = reference.quantize_weight(torch.randn(48, 64))
+    good = [("norm", torch.full((64,), 2.0)), (f"{PREFIX}.bias", torch.zeros(48))]
+    nan = torch.randn(48, 64)
+    nan[3, 5] = float("nan")
+    return {
+        "shape": (good + [(f"{PREFIX}.weight", torch.randn(48, 80))], f"{PREFIX}.weight: shape (48, 80)"),
+        "dtype": (good + [(f"{PREFIX}.weight", q.codes), (f"{PREFIX}.weight_scale", q.block_scales.float()),
+                          (f"{PREFIX}.weight_scale_2", q.global_scale)], f"{PREFIX}.weight_scale: dtype torch.float32"),
+        "nan": (good + [(f"{PREFIX}.weight", nan)], f"{PREFIX}.weight: contains NaN"),
+        "nan_plain": ([(f"{PREFIX}.weight", torch.randn(48, 64)), ("norm", torch.full((64,), float("inf")))],
+                      "norm: contains NaN or Inf"),
+        "plain_shape": (good[1:] + [("norm", torch.ones(65))], "norm: AssertionError"),
+        "plain_dtype": (good[1:] + [("norm", torch.ones(64, dtype=torch.uint8))], "norm: ValueError: dtype torch.uint8"),
+        "unknown": (good + [("model.layers.0.nonexistent.weight", torch.ones(3))],
+                    "model.layers.0.nonexistent.weight: no parameter of the model takes this tensor"),
+        "incomplete_triplet": (good + [(f"{PREFIX}.weight", q.codes), (f"{PREFIX}.weight_scale", q.block_scales)],
+                               f"{PREFIX}.weight_scale_2: an update of {PREFIX} holds either"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_updates()))
+def test_bad_update_refused_whole_naming_the_tensor(tiny, case):
+    from sampler_plugin.sglang.updates import UpdateRejected, checked_loads
+
+    weights, message = bad_updates()[case]
+    before = snapshot(tiny)
+    with checked_loads(tiny), pytest.raises(UpdateRejected, match="no tensor written") as e:
+        tiny.load_weights(weights)
+    assert message in str(e.value)
+    assert same(snapshot(tiny), before)                   # nothing written, not even the good tensors before it
+    assert "load_weights" not in tiny.__dict__ and "weight_loader" not in tiny.norm.__dict__    # all put back
+
+
+def test_checked_update_writes_when_whole_update_is_good(tiny):
+    from sampler_plugin.sglang.updates import checked_loads
+
+    w1 = torch.randn(48, 64)
+    q = reference.quantize_weight(w1)
+    with checked_loads(tiny):
+        tiny.load_weights([("norm", torch.full((64,), 2.0)), (f"{PREFIX}.weight", q.codes),
+                           (f"{PREFIX}.weight_scale", q.block_scales), (f"{PREFIX}.weight_scale_2", q.global_scale)])
+    assert torch.equal(tiny.norm, torch.full((64,), 2.0))
+    x = torch.randn(5, 64)
+    assert torch.equal(tiny.proj(x)[0], reference.linear(x, q, bias=tiny.proj.bias))
+
+
+def test_register_adds_update_hooks(config_cls):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sampler_plugin.sglang.updates import atomic_update
+
+    updater = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+    for method in ("update_weights_from_tensor", "update_weights_from_disk", "load_weights_from_distributed"):
+        hooks = [h for _, h, _ in HookRegistry._hooks[f"{updater}.{method}"]]
+        assert hooks.count(atomic_update) == 1, method

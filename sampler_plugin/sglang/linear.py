@@ -19,10 +19,11 @@ from ..config import SamplerConfig
 class UpdateTracking:
     """Load bookkeeping shared by the linear and MoE methods (`layer.nvfp4_tracker`, `self.memory`).
 
-    At start-up every checkpoint tensor of the layer must arrive. SGLang's begin_weight_update calls
-    restore_weights_before_loading (storage is already in checkpoint layout: nothing to undo; a fresh
-    tracker starts); end_weight_update calls process_weights_after_loading, which then checks that
-    every checkpoint tensor the session wrote got a float weight or the whole NVFP4 triplet.
+    At start-up every checkpoint tensor of the layer must arrive; the first process_weights_after_loading
+    names the missing ones. Weight updates (SGLang's begin_weight_update / update_weights_from_tensor /
+    end_weight_update, update_weights_from_disk) are checked whole before anything is written
+    (`updates.py`), so later calls have nothing to check. Storage stays in checkpoint layout: there is
+    no repacking for restore_weights_before_loading to undo.
     """
 
     memory: layers.MemoryReport
@@ -30,15 +31,29 @@ class UpdateTracking:
     def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
         raise NotImplementedError
 
-    def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
-        layer.nvfp4_tracker = layers.LoadTracker(layer.nvfp4_tracker.shards)
-        layer.nvfp4_updating = True
-
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        layer.nvfp4_tracker.check(touched_only=layer.nvfp4_updating)
+        if not layer.nvfp4_loaded:
+            layer.nvfp4_tracker.check()
+            layer.nvfp4_loaded = True
         for w in self.quantized_weights(layer):
             self.memory.processed_weight(w)
         self.memory.processed_layer()
+
+
+class ShardLoader:
+    """`weight_loader` of an NVFP4 layer's parameters: one checkpoint tensor into its shard (`layers.write`).
+
+    locate(*args, **kwargs) -> (QuantizedWeight, Shard) from SGLang's loader arguments after
+    (param, tensor); the update check (`updates.py`) calls it to validate a tensor without writing it.
+    """
+
+    def __init__(self, layer: torch.nn.Module, config: SamplerConfig, locate):
+        self.layer, self.config, self.locate = layer, config, locate
+
+    def __call__(self, param: torch.nn.Parameter, loaded_weight: torch.Tensor, *args, **kwargs) -> None:
+        w, shard = self.locate(*args, **kwargs)
+        layers.write(w, shard, param.nvfp4_kind, loaded_weight, config=self.config)
+        self.layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
 
 
 class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
@@ -65,16 +80,14 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
             shards.append(layers.Shard(name=name, shape=(size, input_size), rows=slice(offset, offset + size)))
             offset += size
         layer.nvfp4_tracker = layers.LoadTracker(shards)
-        layer.nvfp4_updating = False
+        layer.nvfp4_loaded = False
         self.memory.add_layer()
 
-    def _loader(self, layer: torch.nn.Module):
-        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def _loader(self, layer: torch.nn.Module) -> ShardLoader:
+        def locate(shard_id: str | int | None = None) -> tuple[layers.QuantizedWeight, layers.Shard]:
             index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
-            shard = layer.nvfp4_tracker.shards[index]
-            layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
-            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
-        return load
+            return self.storage(layer), layer.nvfp4_tracker.shards[index]
+        return ShardLoader(layer, self.config, locate)
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:

@@ -15,7 +15,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from .. import layers
 from ..config import SamplerConfig
-from .linear import UpdateTracking
+from .linear import ShardLoader, UpdateTracking
 
 
 class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
@@ -43,17 +43,14 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
         layer.nvfp4_shards = [layers.expert_shards(self.prefix, e, hidden=hidden_size, inter=inter)
                               for e in range(num_experts)]
         layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
-        layer.nvfp4_updating = False
+        layer.nvfp4_loaded = False
         self.memory.add_layer()
 
-    def _loader(self, layer: torch.nn.Module):
-        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                 expert_id: int) -> None:
-            shard = layer.nvfp4_shards[expert_id][shard_id]
+    def _loader(self, layer: torch.nn.Module) -> ShardLoader:
+        def locate(weight_name: str, shard_id: str, expert_id: int) -> tuple[layers.QuantizedWeight, layers.Shard]:
             storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
-            layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=self.config)
-            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
-        return load
+            return storage, layer.nvfp4_shards[expert_id][shard_id]
+        return ShardLoader(layer, self.config, locate)
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
