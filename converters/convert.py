@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +44,10 @@ class ConvertOptions:
     """recipe: the learner's weight recipe, "1d" (1x16 blocks) or "2d" (16x16 tiles, TE's).
     keep_bf16: module-name prefixes left in BF16 (on top of lm_head, embeddings, routers).
     tp: write the checkpoint pre-sharded for this many tensor-parallel ranks (files only).
-    device: where float weights are quantized ("cpu", "cuda", "cuda:1"); backend: kernels backend.
+    device: where tensors are converted and output ("cpu", "cuda", "cuda:1"); None (default): on the
+      device each source tensor lives on (GPU tensors on their GPU, files on the CPU).
+    backend: kernels backend of the weight quantizer.
+    quantize: False passes every tensor through renamed, unquantized (a BF16 weight update).
     bucket_bytes: output bytes per shard / per yielded bucket.
     report: compute per-tensor errors (one dequantize per tensor).
     """
@@ -52,8 +55,9 @@ class ConvertOptions:
     recipe: str = "1d"
     keep_bf16: tuple[str, ...] = ()
     tp: int = 1
-    device: str = "cpu"
+    device: str | None = None
     backend: str = "auto"
+    quantize: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     report: bool = True
 
@@ -146,7 +150,7 @@ class _Converter:
             for key, count in schema.tp_divisors(self.hf_config).items():
                 if count % options.tp:
                     raise ValueError(f"--tp {options.tp} does not divide {key}={count}")
-        self.device = torch.device(options.device)
+        self.device = None if options.device is None else torch.device(options.device)
         self.summary = ConvertSummary()
         self._live = 0                       # bytes held by buckets + the current tensor
         specs = source.specs()
@@ -155,13 +159,29 @@ class _Converter:
                 for m in name_map.expand(name, shape, tied_embeddings=self.tied):
                     self._check(m.name, _mapped_shape(shape, m), dtype)
 
+    def quantized(self, name: str) -> bool:
+        """True if sampler tensor `name` is written as an NVFP4 triplet under these options."""
+        return self.options.quantize and schema.is_quantized(name, self.config)
+
+    def outputs(self) -> list[tuple[str, tuple[int, ...], torch.dtype | None]]:
+        """(sampler name, logical shape, dtype) of every output, dtype None for NVFP4 triplets
+        (named by their P.weight), from the source specs alone; ValueError if the source has none."""
+        specs = self.source.specs()
+        if specs is None:
+            raise ValueError("the outputs of a one-shot iterable source are unknown before conversion; pass a mapping")
+        out = []
+        for name, shape, dtype in specs:
+            for m in name_map.expand(name, shape, tied_embeddings=self.tied):
+                out.append((m.name, _mapped_shape(shape, m), None if self.quantized(m.name) else dtype))
+        return out
+
     # ---- checks (no data) ----
     def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> None:
         """Validate one sampler tensor (dtype None: an NVFP4 value). Raises ValueError naming it."""
         expected = schema.expected_shape(name, self.hf_config)
         if expected is not None and tuple(shape) != expected:
             raise ValueError(f"{name}: shape mismatch, got {list(shape)}, the model config expects {list(expected)}")
-        quantized = schema.is_quantized(name, self.config)
+        quantized = self.quantized(name)
         if quantized:
             if dtype is not None and dtype not in schema.FLOAT_DTYPES:
                 raise ValueError(f"{name}: dtype mismatch, a linear weight must be one of "
@@ -181,14 +201,22 @@ class _Converter:
                                  f"into {self.options.tp} tensor-parallel ranks")
 
     # ---- conversion of one tensor ----
-    def groups(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Output groups (a quantized triplet or one kept tensor), in source order."""
-        for src_name, value in self.source.tensors():
+    def groups(self, only: Collection[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Output groups (a quantized triplet or one kept tensor), in source order; with `only`,
+        just the outputs of those names (a triplet by its P.weight), reading only their sources."""
+        names = None
+        if only is not None:
+            only = set(only)
+            names = {n for n, shape, _ in self.source.specs()
+                     if any(m.name in only for m in name_map.expand(n, shape, tied_embeddings=self.tied))}
+        for src_name, value in self.source.tensors(names):
             shape, dtype = value_spec(value)
             self.summary.tensors_in += 1
             self.summary.bytes_in += value_nbytes(value)
             self._track(value_nbytes(value))
             for m in name_map.expand(src_name, shape, tied_embeddings=self.tied):
+                if only is not None and m.name not in only:
+                    continue
                 part = value if m.index is None else value[m.index]
                 self._check(m.name, _mapped_shape(shape, m), dtype)
                 group = self._convert(m.name, part)
@@ -198,30 +226,31 @@ class _Converter:
             value = part = None          # release the source tensor before the next one is read
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() \
-                and not torch.isfinite(value.abs().amax()):     # amax propagates NaN; ~10x faster than isfinite
-            raise ValueError(f"{name}: contains NaN or Inf")
-        if not schema.is_quantized(name, self.config):
-            t = value.to(self.device)
+        if not self.quantized(name):                 # (the weight quantizers check NaN/Inf themselves)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() \
+                    and not torch.isfinite(value.abs().amax()):     # amax propagates NaN; ~10x faster than isfinite
+                raise ValueError(f"{name}: contains NaN or Inf")
+            t = value if self.device is None else value.to(self.device)
             if t.untyped_storage().nbytes() > t.numel() * t.element_size():
                 t = t.clone()            # a slice of a fused tensor: do not keep the whole tensor alive
             return {name: t}
         prefix, _ = schema.split_name(name)
         if isinstance(value, TENVFP4Weight):
-            q = value.to_nvfp4(name).to(self.device)
+            q = value.to_nvfp4(name)
+            q = q if self.device is None else q.to(self.device)
             report = te_conversion_report(name, value, q) if self.options.report else None
         elif isinstance(value, NVFP4Tensor):
             if value.global_scale.dim():
                 raise ValueError(f"{name}: NVFP4 source must have a per-tensor global_scale [], "
                                  f"got {list(value.global_scale.shape)}")
-            q = value.to(self.device)
+            q = value if self.device is None else value.to(self.device)
             report = None
         else:
-            w = value.to(self.device)
+            w = value if self.device is None else value.to(self.device)
             try:
                 q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, backend=self.options.backend)
             except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
+                raise ValueError(f"{name}: {str(e).removeprefix('weight: ')}") from e
             report = self._quant_report(name, w, q) if self.options.report else None
         if report is not None:
             self.summary.reports.append(report)
@@ -294,11 +323,22 @@ class _Bucket:
         return full or None
 
 
+def output_specs(source: SafetensorsFolder | StateDictSource,
+                 options: ConvertOptions = ConvertOptions()) -> list[tuple[str, tuple[int, ...], torch.dtype | None]]:
+    """(sampler name, logical shape, dtype or None for an NVFP4 triplet named by its P.weight) of
+    everything `iter_buckets(source, options)` yields, checked and computed without reading data
+    (a weight update's manifest). `source` must know its specs (a folder or a mapping)."""
+    return _Converter(source, options).outputs()
+
+
 def iter_buckets(source: SafetensorsFolder | StateDictSource, options: ConvertOptions = ConvertOptions(),
-                 *, summary: ConvertSummary | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                 *, summary: ConvertSummary | None = None,
+                 only: Collection[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Checkpoint-named sampler tensors in dicts of at most options.bucket_bytes (a larger group
     is a bucket of its own), on options.device. For the weight-update server; `options.tp` must be
     1 (the engine shards on load). If `summary` is given it is filled as the stream advances.
+    only: output names to produce (as `output_specs` names them; a resumed update's missing
+    tensors); the other source tensors are not read.
     """
     if options.tp != 1:
         raise ValueError("iter_buckets streams unsharded tensors; the engine shards them (tp must be 1)")
@@ -307,7 +347,7 @@ def iter_buckets(source: SafetensorsFolder | StateDictSource, options: ConvertOp
         conv.summary = summary
     bucket = _Bucket(options.bucket_bytes, conv._track)
     start = time.perf_counter()
-    for group in conv.groups():
+    for group in conv.groups(only):
         full = bucket.add(group)
         if full is not None:
             conv.summary.bytes_out += _nbytes(full)

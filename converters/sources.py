@@ -4,8 +4,9 @@ A source has
   config        the model's HF config dict (config.json)
   specs()       (name, logical shape, dtype) of every tensor without reading data, or None when
                 unknown before iterating (a one-shot iterator)
-  tensors()     iterator of (name, value); value is a torch.Tensor, an NVFP4Tensor (already in
-                the sampler format) or a TENVFP4Weight (TransformerEngine storage)
+  tensors(names=None)  iterator of (name, value), all or only those named (the others are not
+                read); value is a torch.Tensor, an NVFP4Tensor (already in the sampler format) or
+                a TENVFP4Weight (TransformerEngine storage)
   extra_files() files to copy next to the converted weights (tokenizer, generation config, ...)
   nbytes        total bytes of the source tensors (for throughput)
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -145,10 +146,11 @@ class SafetensorsFolder:
     def specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return [(name, shape, dtype) for name, (_, shape, dtype) in self._specs.items()]
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         by_file: dict[str, list[str]] = {}
         for name, (file, _, _) in self._specs.items():
-            by_file.setdefault(file, []).append(name)
+            if names is None or name in names:
+                by_file.setdefault(file, []).append(name)
         for file, names in by_file.items():
             with safe_open(self.path / file, framework="pt") as f:
                 for name in names:
@@ -174,8 +176,9 @@ class StateDictSource:
             return None
         return [(name, *value_spec(v)) for name, v in self._tensors.items()]
 
-    def tensors(self) -> Iterator[tuple[str, SourceValue]]:
-        return iter(self._tensors.items()) if isinstance(self._tensors, Mapping) else iter(self._tensors)
+    def tensors(self, names: Collection[str] | None = None) -> Iterator[tuple[str, SourceValue]]:
+        items = self._tensors.items() if isinstance(self._tensors, Mapping) else self._tensors
+        return iter(items) if names is None else ((n, v) for n, v in items if n in names)
 
     def extra_files(self) -> list[Path]:
         return []
