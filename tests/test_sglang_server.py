@@ -1,8 +1,9 @@
 """SGLang's own HTTP server (`python -m sglang.launch_server`, a child on 127.0.0.1) with
-`--quantization nvfp4_sampler`: the plugin loads through the entry point on the CLI path and
-/generate returns the W4A4 prompt log-probs of the torch reference. (Weight updates are tested on
-the in-process Engine, tests/test_sglang_engine.py, which calls the same tokenizer-manager methods
-as the HTTP routes.)
+`--quantization nvfp4_sampler`: the plugin loads through the entry point on the CLI path, /generate
+returns the W4A4 prompt log-probs of the torch reference, and weights update over SGLang's routes as
+miles drives them (/begin_weight_update, /update_weights_from_tensor with load_format
+"flattened_bucket", /end_weight_update; /update_weights_from_disk); a bad update answers 400 naming
+the tensor and the server keeps serving the old weights.
 Run in the SGLang venv (see tests/sglang_helpers.py)."""
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ pytest.importorskip("sglang")
 
 import httpx  # noqa: E402
 
+from converters.convert import convert  # noqa: E402
 from server.process import ChildServer, free_port  # noqa: E402
 from tests import models  # noqa: E402
-from tests.sglang_helpers import GREEDY_ONE, logprobs_from_outputs, server_command  # noqa: E402
+from tests.sglang_helpers import GREEDY_ONE, bad_updates, bucket_payloads, logprobs_from_outputs  # noqa: E402
+from tests.sglang_helpers import checkpoint_tensors as tensors  # noqa: E402
+from tests.sglang_helpers import save_checkpoint, server_command  # noqa: E402
 from tests.vllm_helpers import reference_logprobs, reference_model, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -23,16 +27,32 @@ TOL = 1e-3       # as tests/test_sglang_engine.py: float32 server vs float32 tor
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return models.tiny_qwen3(tmp_path_factory.mktemp("sglang_server") / "bf16", seed=0)
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_server")
+    paths = {"dir": d, "bf16_0": models.tiny_qwen3(d / "bf16_0", seed=0), "bf16_1": models.tiny_qwen3(d / "bf16_1", seed=1)}
+    for s in (0, 1):
+        convert(paths[f"bf16_{s}"], d / f"pq_{s}")
+        paths[f"pq_{s}"] = d / f"pq_{s}"
+    return paths
 
 
 @pytest.fixture(scope="module")
-def url(model, tmp_path_factory):
+def url(ckpts, tmp_path_factory):
     port = free_port()
-    cmd = server_command(model, port=port, quantization="nvfp4_sampler", dtype="float32")
+    cmd = server_command(ckpts["bf16_0"], port=port, quantization="nvfp4_sampler", dtype="float32")
     with ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=tmp_path_factory.mktemp("logs") / "sglang.log") as child:
         yield child.url
+
+
+@pytest.fixture(scope="module")
+def ids(ckpts):
+    return token_ids(ckpts["bf16_0"])
+
+
+@pytest.fixture(scope="module")
+def base(url, ids):
+    """Log-probs of the server as started (seed 0)."""
+    return http_logprobs(url, ids)
 
 
 def http_logprobs(url: str, ids: list[list[int]]) -> torch.Tensor:
@@ -42,7 +62,45 @@ def http_logprobs(url: str, ids: list[list[int]]) -> torch.Tensor:
     return logprobs_from_outputs(r.json(), ids)
 
 
-def test_http_generate_logprobs_equal_torch_reference(url, model):
-    ids = token_ids(model)
-    lp = http_logprobs(url, ids)
-    assert (lp - reference_logprobs(reference_model(model), ids)).abs().max().item() < TOL
+def post(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/{route}", json=body, timeout=300)
+
+
+def push(url: str, named: dict[str, torch.Tensor]) -> httpx.Response:
+    """begin, /update_weights_from_tensor (one flattened bucket, data inline), end; the update's response."""
+    assert post(url, "begin_weight_update", {}).status_code == 200
+    r = post(url, "update_weights_from_tensor", {"serialized_named_tensors": bucket_payloads(named, inline=True),
+                                                 "load_format": "flattened_bucket", "flush_cache": True})
+    assert post(url, "end_weight_update", {}).status_code == 200
+    return r
+
+
+def test_http_generate_logprobs_equal_torch_reference(ckpts, ids, base):
+    assert (base - reference_logprobs(reference_model(ckpts["bf16_0"]), ids)).abs().max().item() < TOL
+
+
+def test_http_tensor_update_then_disk_restore(url, ckpts, ids, base):
+    """BF16 seed 1 over /update_weights_from_tensor: the torch reference of seed 1; the sampler checkpoint of
+    seed 0 over /update_weights_from_disk: the log-probs as started, bit-exactly."""
+    r = push(url, tensors(ckpts["bf16_1"]))
+    assert r.status_code == 200, r.text
+    updated = http_logprobs(url, ids)
+    assert (updated - reference_logprobs(reference_model(ckpts["bf16_1"]), ids)).abs().max().item() < TOL
+    assert (updated - base).abs().max().item() > 20 * TOL
+    r = post(url, "update_weights_from_disk", {"model_path": str(ckpts["pq_0"])})
+    assert r.status_code == 200, r.text
+    assert torch.equal(http_logprobs(url, ids), base)
+
+
+def test_http_bad_update_answers_400_and_keeps_weights(url, ckpts, ids, base):
+    cases = bad_updates(tensors(ckpts["bf16_1"]), tensors(ckpts["pq_1"]), quantized="model.layers.1.mlp.down_proj",
+                        plain="model.norm.weight", triplet="model.layers.0.self_attn.v_proj")
+    for case in ("shape", "incomplete_triplet"):
+        named, said = cases[case]
+        r = push(url, named)
+        assert r.status_code == 400 and said in r.json()["message"], (case, r.text)
+        folder = save_checkpoint(named, ckpts["dir"] / f"bad_{case}")
+        r = post(url, "update_weights_from_disk", {"model_path": str(folder)})
+        assert r.status_code == 400 and said in r.json()["message"], (case, r.text)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert torch.equal(http_logprobs(url, ids), base)
