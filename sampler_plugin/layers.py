@@ -216,27 +216,43 @@ def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *
     """Write checkpoint tensor `shard.name.kind` (validated here) into its rows of dst, in place.
 
     A float `weight` is quantized with config.weight_recipe using the amax of the whole checkpoint
-    tensor (so tensor-parallel slices agree) and fills all three storage tensors.
+    tensor (so tensor-parallel slices agree) and fills all three storage tensors. On `meta` storage
+    the same views are written shape-only (nothing of `tensor` read but its dtype and shape): vLLM's
+    layerwise reload runs every weight loader on meta copies first and counts the elements copied.
+    No host sync: scalars are copied on the device.
     """
     validate(shard, kind, tensor)
     codes, scales, gs = _dst(dst, shard)
+    online = kind == "weight" and tensor.dtype in _FLOAT_DTYPES
+    if online and config.weight_recipe == "2d" and (shard.src_rows.start or 0) % BLOCK:
+        raise ValueError(f"nvfp4_sampler: {shard.tensor_name(kind)}: the 2d recipe needs tensor-parallel row "
+                         f"slices that start on a {BLOCK}-row tile, got row {shard.src_rows.start}")
+    if codes.is_meta:
+        views = (codes, scales, gs) if online else {"weight": (codes,), "weight_scale": (scales,),
+                                                    "weight_scale_2": (gs,)}[kind]
+        for view in views:
+            view.copy_(torch.empty_like(view))
+        return
     tensor = tensor.to(codes.device)
-    if kind == "weight" and tensor.dtype in _FLOAT_DTYPES:
-        if config.weight_recipe == "2d" and (shard.src_rows.start or 0) % BLOCK:
-            raise ValueError(f"nvfp4_sampler: {shard.tensor_name(kind)}: the 2d recipe needs tensor-parallel row "
-                             f"slices that start on a {BLOCK}-row tile, got row {shard.src_rows.start}")
+    if online:
         part = tensor[shard.src_rows, shard.src_cols]
         q = dispatch.quantize_weight_on(part, recipe=config.weight_recipe, amax=tensor.abs().float().amax(),
                                         backend=config.backend)
         codes.copy_(q.codes)
         scales.copy_(q.block_scales)
-        gs.fill_(q.global_scale.item())
+        gs.copy_(q.global_scale.reshape(()).expand_as(gs))
     elif kind == "weight":
         codes.copy_(tensor[shard.src_rows, _cols(shard.src_cols, 2)])
     elif kind == "weight_scale":
         scales.copy_(tensor[shard.src_rows, _cols(shard.src_cols, BLOCK)])
     else:
-        gs.fill_(tensor.reshape(()).item())
+        gs.copy_(tensor.reshape(()).expand_as(gs))
+
+
+def copy_shard(dst: QuantizedWeight, src: QuantizedWeight, shard: Shard) -> None:
+    """Copy shard's rows (codes, block scales, decode scales) from src into dst (same geometry)."""
+    for d, s in zip(_dst(dst, shard), _dst(src, shard)):
+        d.copy_(s)
 
 
 def read(src: QuantizedWeight, shard: Shard) -> dict[str, torch.Tensor]:
@@ -258,19 +274,30 @@ class LoadTracker:
         else:
             self.seen.add((shard.name, kind))
 
-    def missing(self, *, touched_only: bool = False) -> list[str]:
-        """Tensors never written; touched_only: only those of checkpoint tensors written in part (an update)."""
+    def untouched(self) -> list[Shard]:
+        """Shards of which no tensor was written."""
         touched = {name for name, _ in self.seen}
-        return [s.tensor_name(k) for s in self.shards if not touched_only or s.name in touched
-                for k in KINDS if (s.name, k) not in self.seen]
+        return [s for s in self.shards if s.name not in touched]
 
-    def check(self, *, touched_only: bool = False) -> None:
+    def kept(self, shard: Shard) -> None:
+        """Record that shard keeps the values it had (copied from the serving storage)."""
+        self.seen.update((shard.name, k) for k in KINDS)
+
+    def missing(self) -> list[str]:
+        """Tensors never written."""
+        return [s.tensor_name(k) for s in self.shards for k in KINDS if (s.name, k) not in self.seen]
+
+    def check(self) -> None:
         """Raise ValueError naming every checkpoint tensor that never arrived (see `missing`)."""
-        missing = self.missing(touched_only=touched_only)
+        missing = self.missing()
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"nvfp4_sampler: checkpoint tensor(s) missing: {shown} (a pre-quantized layer needs "
                              f"weight, weight_scale and weight_scale_2; a BF16 one needs weight)")
+
+    def reset(self) -> None:
+        """Start a new load (the next reload records from scratch)."""
+        self.seen.clear()
 
 
 def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None,

@@ -65,12 +65,58 @@ class BeginRequest(BaseModel):
 
 
 class UpdateStatus(BaseModel):
+    """data_port: the sidecar's data-plane port on the same host (PUT the body there to have the
+    socket write payloads straight into the staging area; docs/PROTOCOL.md), None if disabled."""
+
     update_id: str
     target_version: int
     state: Literal["open", "committed", "aborted"]
     missing: list[str]
     received: int
     bytes_received: int
+    data_port: int | None = None
+
+
+class IpcHandle(BaseModel):
+    """A flat uint8 buffer of `nbytes` shared by a process on the same host (torch storage sharing).
+
+    kind "cuda": a CUDA IPC handle of the caching-allocator block (`UntypedStorage._share_cuda_()`:
+      device, handle, storage_size_bytes, storage_offset_bytes, ref_counter_handle,
+      ref_counter_offset, event_handle, event_sync_required); the sidecar opens it on that device.
+    kind "cpu": a shared-memory file (`UntypedStorage._share_filename_cpu_()`: manager_handle,
+      handle, storage_size_bytes).
+    offset: where the buffer starts in the storage, in bytes. Byte strings are base64.
+    """
+
+    kind: Literal["cuda", "cpu"]
+    nbytes: int = Field(ge=0)
+    offset: int = Field(default=0, ge=0)
+    handle: str
+    storage_size_bytes: int = Field(ge=0)
+    device: int = 0
+    storage_offset_bytes: int = 0
+    ref_counter_handle: str = ""
+    ref_counter_offset: int = 0
+    event_handle: str = ""
+    event_sync_required: bool = False
+    manager_handle: str = ""
+
+
+class IpcTensor(BaseModel):
+    """One manifest entry inside a bucket: its payload (the frame payload layout of `server.wire`:
+    parts back to back) starts at byte `offset` of the bucket buffer (a multiple of 16)."""
+
+    entry: TensorEntry
+    offset: int = Field(ge=0)
+
+
+class IpcBucket(BaseModel):
+    """`POST /v1/weights/updates/{id}/ipc`: stage these entries from a shared buffer (colocated
+    trainer). The sidecar copies them into its staging area before it answers; the sender may
+    reuse the buffer afterwards."""
+
+    buffer: IpcHandle
+    tensors: list[IpcTensor] = Field(min_length=1)
 
 
 class CommitResult(BaseModel):
@@ -122,6 +168,57 @@ class LogprobsResponse(BaseModel):
     model: str
     weight_version: int
     results: list[SequenceLogprobs]
+
+
+class DiagnosticsParams(BaseModel):
+    """Parameters of the mismatch weights (`diagnostics.report.Params`; docs/NUMERICS.md)."""
+
+    tis_cap: float = Field(default=2.0, gt=0)
+    icepop_low: float = Field(default=0.5, ge=0)
+    icepop_high: float = Field(default=5.0, gt=0)
+    opsm_delta: float = 0.03
+    risk_segment: int = Field(default=64, ge=1)
+    risk_depth: float = Field(default=1.0, ge=0)
+    gate_floor: float = Field(default=0.0, ge=0, le=1)
+    repair_segment: int = Field(default=128, ge=1)
+    repair_bound: float = Field(default=0.6931471805599453, ge=0)
+    flip_margin: float = Field(default=0.1, ge=0)
+
+
+class DiagnosticsRequest(BaseModel):
+    """Per sequence: the sampler's and the learner's log-prob of each response token (same lengths),
+    optionally advantages (one per sequence, or one per token) and masks (True = counted)."""
+
+    logp_sampler: list[list[float]] = Field(min_length=1)
+    logp_learner: list[list[float]]
+    advantages: list[float] | list[list[float]] | None = None
+    masks: list[list[bool]] | None = None
+    params: DiagnosticsParams = Field(default_factory=DiagnosticsParams)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DiagnosticsRequest":
+        lengths = [len(r) for r in self.logp_sampler]
+        for name in ("logp_learner", "advantages", "masks"):
+            rows = getattr(self, name)
+            if rows is None or (name == "advantages" and rows and not isinstance(rows[0], list)):
+                if rows is not None and len(rows) != len(lengths):
+                    raise ValueError(f"{name}: {len(rows)} values for {len(lengths)} sequences")
+                continue
+            if [len(r) for r in rows] != lengths:
+                raise ValueError(f"{name}: per-sequence lengths {[len(r) for r in rows][:8]} differ from "
+                                 f"logp_sampler's {lengths[:8]}")
+        return self
+
+
+class DiagnosticsResponse(BaseModel):
+    """`diagnostics.report.mismatch_report`: metrics, segment tails, update-direction shares (with
+    advantages), per-token weights per scheme (per sequence) and their means / zeroed shares."""
+
+    metrics: dict[str, float]
+    tail: dict[str, float]
+    directions: dict[str, float] | None = None
+    weights: dict[str, list[list[float]]]
+    weight_summary: dict[str, dict[str, float]]
 
 
 class ErrorBody(BaseModel):

@@ -22,8 +22,9 @@ class Settings:
     """engine: "vllm" (start the vLLM OpenAI server), "embedded" (transformers in-process), "remote"
     (an already running vLLM server at engine_url), or "auto" (vllm when installed, else embedded).
     host/port: the sidecar's bind address. token: bearer token for mutating routes (None: loopback only).
-    staging_dir: where commits write the staged safetensors file (tmpfs by default when present).
-    max_frame_bytes: largest accepted frame payload. update_idle_timeout_s: an open update with no
+    staging_dir: where the vLLM engine's commits write the update file (tmpfs by default when present).
+    data_port: the data-plane port for update bodies (0: a free one, announced in UpdateStatus;
+    None: off, bodies go through the main port only). max_frame_bytes: largest accepted frame payload. update_idle_timeout_s: an open update with no
     activity for this long is aborted when another begins. logprob_max_batch_tokens: batching limit.
     """
 
@@ -34,6 +35,7 @@ class Settings:
     port: int = 8000
     token: str | None = None
     staging_dir: Path = dataclasses.field(default_factory=lambda: _default_staging())
+    data_port: int | None = 0
     max_frame_bytes: int = 4 << 30
     update_idle_timeout_s: float = 300.0
     logprob_max_batch_tokens: int = 16384
@@ -82,6 +84,8 @@ def is_loopback(host: str) -> bool:
 
 
 def _coerce(type_name: str, raw: str):
+    if "None" in type_name and raw.lower() in ("", "none", "off"):
+        return None
     if "int" in type_name and "float" not in type_name:
         return int(raw)
     if "float" in type_name:

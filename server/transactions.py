@@ -1,9 +1,12 @@
-"""Versioned weight-update transactions: begin -> bodies (resumable) -> commit | abort.
+"""Versioned weight-update transactions: begin -> bodies or IPC buckets (resumable) -> commit | abort.
 
-Frames are checked against the manifest as they arrive and kept in memory (the staging area);
-`commit` writes them to one safetensors file and applies it through the engine while the app's
-write lock keeps every request on exactly one version. Nothing reaches the engine before commit,
-so a dropped client, a bad frame or a sidecar restart leaves the last committed version serving.
+At begin the update gets one staging buffer (CPU, uint8) with a 64-byte-aligned slot per manifest
+entry; frames are written straight into their slots (by the data-plane socket or from the HTTP
+body's chunks), checked, and staged one by one, so a failing frame never costs the frames before
+it. The buffer is kept for the next update when large enough (steady-state pushes write into pages
+already mapped). `commit` hands the staged tensors to the engine while the app's write lock keeps
+every request on exactly one version. Nothing reaches the engine before commit, so a dropped
+client, a bad frame or a sidecar restart leaves the last committed version serving.
 """
 from __future__ import annotations
 
@@ -13,14 +16,13 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from . import ipc
 from .engines.base import Engine, TensorSpec
-from .protocol import BeginRequest, CommitResult, TensorEntry, UpdateStatus
-from .wire import FrameParser, WireError
+from .protocol import BeginRequest, CommitResult, IpcBucket, TensorEntry, UpdateStatus
+from .wire import FrameParser, WireError, decode_payload, invalid_tensor, payload_nbytes
 
 
 class UpdateError(Exception):
@@ -72,32 +74,101 @@ class Update:
     id: str
     target_version: int
     manifest: dict[str, TensorEntry]
+    slots: dict[str, torch.Tensor]                   # name -> uint8 [payload bytes], views of `buffer`
+    buffer: torch.Tensor | None
     staged: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
     bytes_received: int = 0
     state: str = "open"
     last_activity: float = dataclasses.field(default_factory=time.monotonic)
     streaming: bool = False
 
-    def status(self) -> UpdateStatus:
+    def status(self, *, data_port: int | None = None) -> UpdateStatus:
         return UpdateStatus(update_id=self.id, target_version=self.target_version, state=self.state,
                             missing=[n for n in self.manifest if n not in self.staged],
-                            received=len(self.staged), bytes_received=self.bytes_received)
+                            received=len(self.staged), bytes_received=self.bytes_received, data_port=data_port)
+
+    def slot(self, entry: TensorEntry, nbytes: int) -> torch.Tensor:
+        """The staging slot of a frame about to be written (FrameParser's `slot`); the entry's
+        previous copy, if any, is unstaged first (its bytes are about to be overwritten)."""
+        expected = self.manifest.get(entry.name)
+        if expected is None:
+            raise WireError(f"{entry.name}: not in the update's manifest", status=422)
+        if expected != entry:
+            raise WireError(f"{entry.name}: frame is {entry.layout} {entry.dtype} {entry.shape}, manifest says "
+                            f"{expected.layout} {expected.dtype} {expected.shape}", status=422)
+        if self.state != "open":
+            raise WireError(f"update {self.id} is {self.state}", status=409)
+        self.staged.pop(entry.name, None)
+        self.last_activity = time.monotonic()
+        return self.slots[entry.name]
+
+    def stage(self, entry: TensorEntry, tensors: dict[str, torch.Tensor], nbytes: int) -> None:
+        self.staged[entry.name] = tensors
+        self.bytes_received += nbytes
+
+
+class BodyReceiver:
+    """One body of frames for an open update, in the shape of asyncio.BufferedProtocol
+    (`get_buffer` / `advance`, for the data-plane socket) or fed chunk by chunk (`feed`).
+    Each complete, valid frame is staged before the next byte is parsed. Raises UpdateError."""
+
+    def __init__(self, update: Update, *, max_frame_bytes: int):
+        if update.streaming:
+            raise UpdateError(f"update {update.id} is already receiving a body", status=409)
+        self.update = update
+        self.parser = FrameParser(max_frame_bytes=max_frame_bytes, slot=update.slot)
+        update.streaming = True
+
+    def get_buffer(self) -> memoryview:
+        return self.parser.get_buffer()
+
+    def advance(self, n: int) -> None:
+        with _as_update_error():
+            for frame in self.parser.advance(n):
+                self.update.stage(frame.entry, frame.tensors, frame.nbytes)
+
+    def feed(self, chunk: bytes) -> None:
+        self.update.last_activity = time.monotonic()
+        with _as_update_error():
+            for frame in self.parser.feed(chunk):
+                self.update.stage(frame.entry, frame.tensors, frame.nbytes)
+
+    def finish(self) -> None:
+        with _as_update_error():
+            self.parser.finish()
+
+    def close(self) -> None:
+        """The body ended (complete, failed or cut): the update may take another."""
+        self.update.streaming = False
+        self.update.last_activity = time.monotonic()
+
+
+@contextlib.contextmanager
+def _as_update_error():
+    try:
+        yield
+    except WireError as e:
+        raise UpdateError(str(e), status=e.status) from e
 
 
 class UpdateManager:
     """At most one open update; `lock` is the app's serving lock (commit takes it for writing)."""
 
-    def __init__(self, engine: Engine, *, staging_dir: Path, max_frame_bytes: int, idle_timeout_s: float,
-                 lock: RWLock, on_commit=None):
+    def __init__(self, engine: Engine, *, max_frame_bytes: int, idle_timeout_s: float, lock: RWLock,
+                 on_commit=None):
         self.engine = engine
-        self.staging_dir = staging_dir
         self.max_frame_bytes = max_frame_bytes
         self.idle_timeout_s = idle_timeout_s
         self.lock = lock
         self.on_commit = on_commit
         self.current: Update | None = None
         self.version = 0                                     # the serving version (set by the app at start)
+        self.data_port: int | None = None                    # set by the app when the data plane listens
+        self._spare: torch.Tensor | None = None              # a staging buffer to reuse
         self._commit_lock = asyncio.Lock()
+
+    def status(self, u: Update) -> UpdateStatus:
+        return u.status(data_port=self.data_port)
 
     def begin(self, req: BeginRequest) -> UpdateStatus:
         cur = self.current
@@ -106,7 +177,9 @@ class UpdateManager:
             if cur.streaming or idle < self.idle_timeout_s:
                 raise UpdateError(f"update {cur.id} (to version {cur.target_version}) is in progress; "
                                   f"commit or abort it first", status=409)
-            cur.state = "aborted"                            # stale: its client went away
+            self._end(cur, "aborted")                        # stale: its client went away
+        if cur is not None and cur.streaming:
+            raise UpdateError(f"update {cur.id} is {cur.state} but its body is still arriving; retry", status=409)
         if req.target_version <= self.version:
             raise UpdateError(f"target_version {req.target_version} must be greater than the current "
                               f"version {self.version}", status=409)
@@ -119,8 +192,17 @@ class UpdateManager:
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise UpdateError("; ".join(problems[:5]) + more, status=422)
-        self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in req.manifest})
-        return self.current.status()
+        offsets, total = {}, 0
+        for e in req.manifest:
+            offsets[e.name] = total
+            total += -(-payload_nbytes(e) // ipc.ALIGN) * ipc.ALIGN
+        buffer = self._spare if self._spare is not None and self._spare.numel() >= total else None
+        self._spare = None
+        if buffer is None:
+            buffer = torch.empty(total, dtype=torch.uint8)
+        slots = {e.name: buffer[offsets[e.name]:offsets[e.name] + payload_nbytes(e)] for e in req.manifest}
+        self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in req.manifest}, slots, buffer)
+        return self.status(self.current)
 
     def get(self, update_id: str) -> Update:
         if self.current is None or self.current.id != update_id:
@@ -133,39 +215,67 @@ class UpdateManager:
             raise UpdateError(f"update {update_id} is {u.state}", status=409)
         return u
 
+    def _end(self, u: Update, state: str) -> None:
+        """Close `u`; its staging buffer becomes the spare once no body writes into it."""
+        u.state, u.staged = state, {}
+        if not u.streaming and u.buffer is not None:
+            self._spare, u.buffer, u.slots = u.buffer, None, {}
+
+    def receiver(self, update_id: str) -> BodyReceiver:
+        return BodyReceiver(self._open(update_id), max_frame_bytes=self.max_frame_bytes)
+
+    def body_done(self, receiver: BodyReceiver) -> None:
+        receiver.close()
+        if receiver.update.state != "open":                  # aborted while its body arrived
+            self._end(receiver.update, receiver.update.state)
+
     async def ingest(self, update_id: str, body: AsyncIterator[bytes]) -> UpdateStatus:
-        """Parse one body into the staging area. Complete, valid frames are kept even if the body
-        fails later (so the client re-sends only `missing`); the failing frame is dropped."""
-        u = self._open(update_id)
-        if u.streaming:
-            raise UpdateError(f"update {update_id} is already receiving a body", status=409)
-        u.streaming = True
-        parser = FrameParser(max_frame_bytes=self.max_frame_bytes)
+        """Parse one body given as chunks into the staging area. Complete, valid frames are kept
+        even if the body fails later (the client re-sends only `missing`); the failing frame is not."""
+        rx = self.receiver(update_id)
         try:
             async for chunk in body:
-                u.last_activity = time.monotonic()
-                for frame in parser.feed(chunk):
-                    expected = u.manifest.get(frame.entry.name)
-                    if expected is None:
-                        raise UpdateError(f"{frame.entry.name}: not in the update's manifest", status=422)
-                    if expected != frame.entry:
-                        raise UpdateError(f"{frame.entry.name}: frame is {frame.entry.layout} {frame.entry.dtype} "
-                                          f"{frame.entry.shape}, manifest says {expected.layout} {expected.dtype} "
-                                          f"{expected.shape}", status=422)
-                    u.staged[frame.entry.name] = frame.tensors
-                    u.bytes_received += frame.nbytes
-            parser.finish()
-        except WireError as e:
-            raise UpdateError(str(e), status=e.status) from e
+                rx.feed(chunk)
+            rx.finish()
         finally:
-            u.streaming = False
-            u.last_activity = time.monotonic()
-        return u.status()
+            self.body_done(rx)
+        return self.status(rx.update)
+
+    def stage_ipc(self, rx: BodyReceiver, bucket: IpcBucket) -> UpdateStatus:
+        """Stage a bucket from a shared buffer (`server.ipc`) for the update `rx` holds (any thread):
+        every entry is checked (manifest, bounds, NaN/Inf, global scales) before any is staged (a
+        refused bucket leaves its entries missing); CPU buffers are copied into the staging slots,
+        CUDA buffers into new tensors on their device; the copies are complete on return."""
+        u = rx.update
+        try:
+            flat = ipc.open_buffer(bucket.buffer)
+        except (RuntimeError, ValueError) as e:
+            raise UpdateError(f"cannot open the shared buffer: {e}", status=422) from e
+        staged = []
+        with _as_update_error():
+            for item in bucket.tensors:
+                n = payload_nbytes(item.entry)
+                if item.offset % 16 or item.offset + n > flat.numel():
+                    raise WireError(f"{item.entry.name}: [{item.offset}, {item.offset + n}) is not a 16-byte "
+                                    f"aligned range of the {flat.numel()}-byte buffer", status=422)
+                src = flat[item.offset:item.offset + n]
+                dst = u.slot(item.entry, n) if flat.device.type == "cpu" else torch.empty_like(src)
+                dst.copy_(src)
+                staged.append((item.entry, decode_payload(item.entry, dst, check=False), n))
+            bad = invalid_tensor({k: t for _, parts, _ in staged for k, t in parts.items()})
+            if bad:
+                raise WireError(bad, status=422)
+        if flat.device.type == "cuda":
+            torch.cuda.current_stream(flat.device).synchronize()    # copies done: the sender may reuse it
+        del flat
+        for entry, parts, n in staged:
+            u.stage(entry, parts, n)
+        return self.status(u)
 
     def abort(self, update_id: str) -> UpdateStatus:
         u = self._open(update_id)
-        u.state, u.staged = "aborted", {}
-        return u.status()
+        self._end(u, "aborted")
+        return self.status(u)
 
     async def commit(self, update_id: str) -> CommitResult:
         async with self._commit_lock:
@@ -176,26 +286,20 @@ class UpdateManager:
             if missing:
                 raise UpdateError(f"{len(missing)} manifest tensor(s) not received yet, e.g. {missing[:5]}",
                                   status=409)
+            tensors = {name: t for parts in u.staged.values() for name, t in parts.items()}
             t0 = time.perf_counter()
-            self.staging_dir.mkdir(parents=True, exist_ok=True)
-            path = self.staging_dir / f"update-{u.target_version}-{u.id}.safetensors"
-            flat = {name: t for parts in u.staged.values() for name, t in parts.items()}
-            await asyncio.to_thread(save_file, flat, str(path))
-            t1 = time.perf_counter()
             try:
                 async with self.lock.write():
-                    report = await self.engine.apply_update(path, u.target_version)
+                    report = await self.engine.apply_update(tensors, u.target_version)
                     self.version = u.target_version         # before any reader can run again
             except BaseException:
-                u.state = "aborted"                          # the engine refused it: nothing applied
+                self._end(u, "aborted")                      # the engine refused it: nothing applied
                 raise
-            finally:
-                path.unlink(missing_ok=True)
-                u.staged = {}
-            u.state = "committed"
-            t2 = time.perf_counter()
+            del tensors
+            self._end(u, "committed")
+            stage = report.pop("stage_seconds", 0.0)
             result = CommitResult(weight_version=u.target_version, tensors=len(u.manifest), bytes=u.bytes_received,
-                                  stage_seconds=t1 - t0, apply_seconds=t2 - t1, engine=report)
+                                  stage_seconds=stage, apply_seconds=time.perf_counter() - t0 - stage, engine=report)
             if self.on_commit is not None:
                 self.on_commit(result)
             return result

@@ -189,6 +189,29 @@ def test_resume_sends_only_missing(client, models, reference_logprobs):
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
 
 
+@pytest.mark.parametrize("port", ["main", "data"])
+def test_frames_before_a_bad_frame_stay_staged(client, models, reference_logprobs, port):
+    """Issue 14 defect: frames completed in the same chunk as a later bad frame were not staged, so a
+    resume re-sent them. Ten good frames and a corrupt one in one small body: the ten stay."""
+    client.push(models["a"], layout="nvfp4", progress=False)
+    v, _ = lp(client)
+    b = tensors(models["b_nvfp4"])
+    entries = list(iter_entries(b))
+    st = client.begin(v + 1, entries)
+    good = b"".join(bytes(x) for e in entries[:10] for x in encode_frame(e, b))
+    bad = bytearray(b"".join(bytes(x) for x in encode_frame(entries[10], b)))
+    bad[-1] ^= 0x01                                          # last payload byte: checksum mismatch
+    base = client.http.base_url if port == "main" else client.http.base_url.copy_with(port=st.data_port)
+    r = httpx.put(f"{str(base).rstrip('/')}/v1/weights/updates/{st.update_id}/body", content=good + bytes(bad),
+                  headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": FRAMES_CONTENT_TYPE})
+    assert r.status_code == 400 and f"{entries[10].name}: checksum mismatch" in r.json()["detail"], r.text
+    st = client.status(st.update_id)
+    assert st.received == 10 and st.missing == [e.name for e in entries[10:]]
+    st = client.send(st.update_id, [x for e in entries if e.name in st.missing for x in encode_frame(e, b)])
+    assert client.commit(st.update_id).weight_version == v + 1
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
 def test_bad_updates_are_refused_with_named_problems(client, models):
     v, before = lp(client)
     b = tensors(models["b"])
@@ -312,11 +335,23 @@ class CuttingProxy:
             s.close()
 
 
+class _ViaProxy(SamplerClient):
+    """A client whose bodies go to the data-plane port through `proxy_port` (a real TCP hop)."""
+
+    proxy_port = 0
+
+    def begin(self, target_version, manifest):
+        st = super().begin(target_version, manifest)
+        self._data_ports[st.update_id] = self.proxy_port
+        return st
+
+
 def test_client_resumes_after_a_dropped_connection(client, server, models, reference_logprobs):
     client.push(models["a"], layout="nvfp4", progress=False)
     v, _ = lp(client)
-    proxy = CuttingProxy(int(server.url.rsplit(":", 1)[1]), cut=200_000)
-    with SamplerClient(f"http://127.0.0.1:{proxy.port}", token=TOKEN, retries=3) as c:
+    proxy = CuttingProxy(client.health()["data_port"], cut=200_000)
+    with _ViaProxy(server.url, token=TOKEN, retries=3) as c:
+        c.proxy_port = proxy.port
         res = c.push(models["b"], layout="nvfp4", progress=False)
     assert proxy.cuts == 1
     assert res.weight_version == v + 1 and res.payload_bytes > 200_000

@@ -103,7 +103,7 @@ def test_oversize_frame_refused_from_its_header():
     header = _body(t)[:200]          # header only: the parser must refuse before any payload arrives
     p = FrameParser(max_frame_bytes=1000)
     with pytest.raises(WireError, match="exceeds the limit") as e:
-        p.feed(header)
+        list(p.feed(header))
     assert e.value.status == 413
 
 
@@ -121,7 +121,7 @@ def test_nan_and_bad_scales_refused():
 
 def test_header_must_match_payload_size():
     entry = TensorEntry(name="x.weight", layout="dense", dtype="float32", shape=[2, 2])
-    header = json.dumps({**entry.model_dump(), "nbytes": 12, "crc32": 0}).encode()
+    header = json.dumps({**entry.model_dump(), "nbytes": 12, "xxh3": 0}).encode()
     data = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header + b"\0" * 12
     with pytest.raises(WireError, match="nbytes 12 does not match dense float32 \\[2, 2\\] \\(16 bytes\\)"):
         list(parse([data]))

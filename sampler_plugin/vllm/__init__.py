@@ -5,5 +5,8 @@ Thin: parameters and loaders per vLLM's layer API, everything else in `sampler_p
 
 
 def register() -> None:
-    """Register `nvfp4_sampler` with vLLM (called in every vLLM process)."""
-    from . import config  # noqa: F401  (registers the QuantizationConfig on import)
+    """Register `nvfp4_sampler` and the `safetensors_file` weight-transfer backend with vLLM (called in
+    every vLLM process)."""
+    from . import config, file_transfer  # config registers the QuantizationConfig on import
+
+    file_transfer.register()

@@ -9,6 +9,8 @@ triplet) and writes it through `sampler_plugin.layers`.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMethodBase, QKVParallelLinear,
@@ -16,6 +18,20 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMetho
 
 from .. import layers
 from ..config import SamplerConfig
+from .layerwise import abort_on_error, complete_load
+
+
+@abort_on_error
+def _load(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """`weight_loader` of an NVFP4 linear's parameters (bound to the layer): one checkpoint tensor into its shard.
+    On meta parameters (vLLM's layerwise-reload counting pass) shape-only, and not recorded."""
+    method = layer.quant_method
+    index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
+    shard, storage = method.shards(layer)[index], method.storage(layer)
+    layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=method.config)
+    if not storage.codes.is_meta:
+        method.tracker(layer).record(shard, param.nvfp4_kind, loaded_weight)
+
 
 def linear_shards(layer: torch.nn.Module, shard_names: list[str]) -> list[layers.Shard]:
     """The checkpoint tensors of a (possibly fused, possibly tensor-parallel) vLLM linear layer."""
@@ -54,13 +70,9 @@ class NVFP4LinearMethod(LinearMethodBase):
         layer.nvfp4_geometry = (list(output_partition_sizes), input_size, input_size_per_partition)
         layers.register_weight(layer, w, self._loader(layer))
 
-    def _loader(self, layer: torch.nn.Module):
-        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
-            index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
-            shard = self.shards(layer)[index]
-            layers.write(self.storage(layer), shard, param.nvfp4_kind, loaded_weight, config=self.config)
-            self.tracker(layer).record(shard, param.nvfp4_kind, loaded_weight)
-        return load
+    @staticmethod
+    def _loader(layer: torch.nn.Module):
+        return types.MethodType(_load, layer)   # bound to the layer, as vLLM's layerwise reload expects
 
     def shards(self, layer: torch.nn.Module) -> list[layers.Shard]:
         if not hasattr(layer, "nvfp4_shards"):
@@ -76,9 +88,11 @@ class NVFP4LinearMethod(LinearMethodBase):
     def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
         return layers.module_weight(layer)
 
+    @abort_on_error
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self.tracker(layer).check()
-        self.on_processed((self.storage(layer),))
+        loaded = self.storage(layer)
+        complete_load(layer, {"weight": loaded}, [("weight", s) for s in self.shards(layer)], self.tracker(layer))
+        self.on_processed((loaded,))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # a row-parallel rank holds a K-slice of every token: its per-token amax must span all ranks

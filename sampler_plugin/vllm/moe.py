@@ -8,11 +8,28 @@ renormalisation); `apply` runs the experts through `kernels.dispatch.moe`. Param
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from .. import layers
 from ..config import SamplerConfig
+from .layerwise import abort_on_error, complete_load
+
+
+@abort_on_error
+def _load(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
+          shard_id: str, expert_id: int, return_success: bool = False):
+    """`weight_loader` of the expert parameters (bound to the layer): one expert's checkpoint tensor into
+    its shard. On meta parameters (vLLM's layerwise-reload counting pass) shape-only, and not recorded."""
+    method = layer.quant_method
+    shard = method.expert_shards(layer, expert_id)[shard_id]
+    storage = method.storage(layer)["w2" if shard_id == "w2" else "w13"]
+    layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=method.config)
+    if not storage.codes.is_meta:
+        layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
+    return True if return_success else None
 
 
 class NVFP4MoEMethod(FusedMoEMethodBase):
@@ -50,23 +67,21 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
         return layers.expert_shards(self.ckpt_prefix, expert, hidden=hidden, inter=inter, tp_rank=tp_rank,
                                     tp_size=tp_size)
 
-    def _loader(self, layer: torch.nn.Module):
-        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                 expert_id: int, return_success: bool = False):
-            shard = self.expert_shards(layer, expert_id)[shard_id]
-            storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
-            layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=self.config)
-            layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
-            return True if return_success else None
-        return load
+    @staticmethod
+    def _loader(layer: torch.nn.Module):
+        return types.MethodType(_load, layer)   # bound to the layer, as vLLM's layerwise reload expects
 
     @staticmethod
     def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
         return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
 
+    @abort_on_error
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        layer.nvfp4_tracker.check()
-        self.on_processed(tuple(self.storage(layer).values()))
+        loaded = self.storage(layer)
+        shards = [("w2" if sid == "w2" else "w13", s) for e in range(loaded["w13"].codes.shape[0])
+                  for sid, s in self.expert_shards(layer, e).items()]
+        complete_load(layer, loaded, shards, layer.nvfp4_tracker)
+        self.on_processed(tuple(loaded.values()))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None

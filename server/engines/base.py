@@ -4,8 +4,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from sampler_plugin.config import SamplerConfig
@@ -99,8 +101,11 @@ class Engine(abc.ABC):
     async def weight_version(self) -> int: ...
 
     @abc.abstractmethod
-    async def apply_update(self, staged_path: Path, version: int) -> dict:
-        """Load the staged safetensors file of checkpoint-named tensors in place; validate all first."""
+    async def apply_update(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
+        """Write checkpoint-named tensors (CPU, or on the engine's device) into the running model and
+        set the weight version; names, dtypes and shapes are validated before anything is written
+        (values were checked on arrival). Returns a report; "stage_seconds" in it, if any, is the
+        time spent handing the tensors over (e.g. writing a file) before the engine applied them."""
 
     @abc.abstractmethod
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]: ...
@@ -108,6 +113,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def openai(self, route: str, body: dict) -> tuple[int, dict]:
         """An OpenAI-compatible call (route "models", "completions" or "chat/completions") -> (status, JSON)."""
+
+    @abc.abstractmethod
+    async def openai_stream(self, route: str, body: dict) -> tuple[int, AsyncIterator[bytes] | dict]:
+        """A streaming OpenAI call (`"stream": true`, route "completions" or "chat/completions"):
+        (200, server-sent-event bytes ending with `data: [DONE]`) or (error status, JSON error)."""
 
     def queue_depth(self) -> int:
         return 0

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
@@ -41,6 +44,32 @@ def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[st
         if name.rpartition(".")[0] not in replaced and not name.startswith(tuple(f"{r}." for r in replaced)):
             targets[name] = layers.Target(param=p.data)
     return targets
+
+
+class _Streamer:
+    """transformers streamer: each new token's ids go to an asyncio queue (None at the end); the
+    first `put` is the prompt and is skipped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue, self.prompt_seen = loop, queue, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, value.reshape(-1).tolist())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+
+class _Stop:
+    """transformers stopping criterion: True for every row once `event` is set."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
 
 
 class EmbeddedEngine(Engine):
@@ -85,12 +114,12 @@ class EmbeddedEngine(Engine):
     async def weight_version(self) -> int:
         return self._version
 
-    async def apply_update(self, staged_path: Path, version: int) -> dict:
-        return await self._run(self._apply, staged_path, version)
+    async def apply_update(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
+        return await self._run(self._apply, tensors, version)
 
-    def _apply(self, staged_path: Path, version: int) -> dict:
+    def _apply(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
         t0 = time.perf_counter()
-        n = self._write(load_file(staged_path))
+        n = self._write(tensors)
         self._version = version
         return {"tensors": n, "seconds": time.perf_counter() - t0}
 
@@ -163,9 +192,6 @@ class EmbeddedEngine(Engine):
         if route == "models":
             return 200, {"object": "list", "data": [{"id": self.model_id, "object": "model",
                                                       "owned_by": "nvfp4-sampler", "root": self.model_id}]}
-        if body.get("stream"):
-            return 400, {"error": {"message": "stream=true is not supported by the embedded engine",
-                                   "type": "invalid_request_error"}}
         if body.get("model") not in (None, self.model_id):
             return 404, {"error": {"message": f"model {body.get('model')!r} not found; serving {self.model_id!r}",
                                    "type": "invalid_request_error"}}
@@ -175,9 +201,73 @@ class EmbeddedEngine(Engine):
             return 200, await self._run(self._chat, body)
         return 404, {"error": {"message": f"unknown route {route}", "type": "invalid_request_error"}}
 
+    async def openai_stream(self, route: str, body: dict) -> tuple[int, AsyncIterator[bytes] | dict]:
+        """Server-sent events: one chunk per decoded piece of text as the worker thread samples it."""
+        if body.get("model") not in (None, self.model_id):
+            return 404, {"error": {"message": f"model {body.get('model')!r} not found; serving {self.model_id!r}",
+                                   "type": "invalid_request_error"}}
+        if route not in ("completions", "chat/completions"):
+            return 404, {"error": {"message": f"unknown route {route}", "type": "invalid_request_error"}}
+        chat = route == "chat/completions"
+        try:
+            prompt = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        except EngineError as e:
+            return e.status, {"error": {"message": str(e), "type": "invalid_request_error"}}
+        loop, queue, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        job = asyncio.ensure_future(self._run(self._generate, prompt, body, _Streamer(loop, queue), stop))
+        return 200, self._events(chat=chat, job=job, queue=queue, stop=stop)
+
+    async def _events(self, *, chat: bool, job: asyncio.Future, queue: asyncio.Queue,
+                      stop: threading.Event) -> AsyncIterator[bytes]:
+        oid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+        def event(piece: str | None, finish: str | None, *, first: bool = False) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            chunk = {"id": oid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": created, "model": self.model_id, "choices": [choice]}
+            return f"data: {json.dumps(chunk)}\n\n".encode()
+
+        try:
+            if chat:
+                yield event(None, None, first=True)
+            ids, sent = [], ""
+            while (tokens := await queue.get()) is not None:
+                ids += [t for t in tokens if not chat or t != self.tokenizer.eos_token_id]
+                text = self.tokenizer.decode(ids, skip_special_tokens=chat)
+                if text.endswith("\ufffd") or len(text) <= len(sent):     # an incomplete UTF-8 sequence
+                    continue
+                yield event(text[len(sent):], None)
+                sent = text
+            _, _, finish = await job
+            yield event(None, finish)
+            yield b"data: [DONE]\n\n"
+        finally:
+            stop.set()                                       # a client that left stops the sampling
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt", "")
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise EngineError(f"{self.model_id}: the tokenizer has no chat template; use /v1/completions",
+                              status=400)
+        prompt_ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+            prompt_ids = prompt_ids["input_ids"]
+        return list(prompt_ids)
+
     @torch.no_grad()
-    def _generate(self, prompt: list[int], body: dict) -> tuple[list[int], list[torch.Tensor], str]:
-        """Sample up to max_tokens after `prompt` -> (token ids, fp32 log-softmax rows [V] each, finish reason)."""
+    def _generate(self, prompt: list[int], body: dict, streamer=None,
+                  stop: threading.Event | None = None) -> tuple[list[int], list[torch.Tensor], str]:
+        """Sample up to max_tokens after `prompt` -> (token ids, fp32 log-softmax rows [V] each, finish reason).
+        streamer: a transformers streamer fed the prompt, then each new token; stop: ends sampling when set."""
+        from transformers import StoppingCriteriaList
+
         temperature = float(body.get("temperature", 1.0) or 0.0)
         if body.get("seed") is not None:
             torch.manual_seed(int(body["seed"]))
@@ -186,17 +276,19 @@ class EmbeddedEngine(Engine):
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or None,
             top_p=body.get("top_p") or None, top_k=None, output_logits=True, return_dict_in_generate=True,
-            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_Stop(stop)]) if stop is not None else None)
         ids = out.sequences[0, len(prompt):].tolist()
         rows = [torch.log_softmax(lg[0].float(), dim=-1) for lg in out.logits]
         finish = "length" if len(ids) >= max_tokens and ids[-1] != self.tokenizer.eos_token_id else "stop"
         return ids, rows, finish
 
     def _completion(self, body: dict) -> dict:
-        prompt = body.get("prompt", "")
-        prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        prompt_ids = self._completion_prompt(body)
         ids, rows, finish = self._generate(prompt_ids, body)
         choice = {"index": 0, "text": self.tokenizer.decode(ids), "finish_reason": finish, "logprobs": None}
+        if body.get("return_token_ids"):          # vLLM's extension: the sampled token ids
+            choice["token_ids"] = ids
         if body.get("logprobs") is not None:
             k = int(body["logprobs"])
             toks = [self.tokenizer.decode([t]) for t in ids]
@@ -208,13 +300,8 @@ class EmbeddedEngine(Engine):
         return self._envelope("text_completion", choice, len(prompt_ids), len(ids))
 
     def _chat(self, body: dict) -> dict:
-        if self.tokenizer.chat_template is None:
-            raise EngineError(f"{self.model_id}: the tokenizer has no chat template; use /v1/completions",
-                              status=400)
-        prompt_ids = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
-        ids, rows, finish = self._generate(list(prompt_ids), body)
+        prompt_ids = self._chat_prompt(body)
+        ids, rows, finish = self._generate(prompt_ids, body)
         content_ids = [t for t in ids if t != self.tokenizer.eos_token_id]
         choice = {"index": 0, "finish_reason": finish, "logprobs": None,
                   "message": {"role": "assistant", "content": self.tokenizer.decode(content_ids,

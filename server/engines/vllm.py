@@ -13,9 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import torch
+from safetensors.torch import save_file
 
 from ..process import ChildServer, free_port
 from ..protocol import LogprobsRequest, SequenceLogprobs
@@ -97,14 +102,26 @@ class VLLMEngine(Engine):
             raise EngineError(f"workers disagree on the weight version: {sorted(versions)}", status=500)
         return versions.pop()
 
-    async def apply_update(self, staged_path: Path, version: int) -> dict:
-        await self._post("POST", "/pause", params={"mode": "wait"})
+    async def apply_update(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
+        """The tensors go to the workers as one safetensors file in the staging dir (tmpfs by default),
+        loaded by the worker extension's `nvfp4_apply_update` (validates all, then writes in place)."""
+        t0 = time.perf_counter()
+        staging = Path(self.settings.staging_dir)
+        staging.mkdir(parents=True, exist_ok=True)
+        path = staging / f"update-{version}-{uuid.uuid4().hex}.safetensors"
         try:
-            reports = await self._rpc("nvfp4_apply_update", str(staged_path), str(version))
-            await self._post("POST", "/reset_prefix_cache")
+            await asyncio.to_thread(save_file, tensors, str(path))
+            stage_seconds = time.perf_counter() - t0
+            await self._post("POST", "/pause", params={"mode": "wait"})
+            try:
+                reports = await self._rpc("nvfp4_apply_update", str(path), str(version))
+                await self._post("POST", "/reset_prefix_cache")
+            finally:
+                await self._post("POST", "/resume")
         finally:
-            await self._post("POST", "/resume")
-        return reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
+            path.unlink(missing_ok=True)
+        report = reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
+        return {**report, "stage_seconds": stage_seconds}
 
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
         body = {"model": self.model_id, "prompt": req.sequences, "max_tokens": 1, "temperature": 0.0,
@@ -115,9 +132,6 @@ class VLLMEngine(Engine):
                 for seq, p, c in zip(req.sequences, req.prompt_lens, choices)]
 
     async def openai(self, route: str, body: dict) -> tuple[int, dict]:
-        if body.get("stream"):
-            return 400, {"error": {"message": "stream=true is not supported through the sidecar",
-                                   "type": "invalid_request_error"}}
         if route == "models":
             r = await self.http.get("/v1/models")
         else:
@@ -126,6 +140,27 @@ class VLLMEngine(Engine):
             return r.status_code, r.json()
         except json.JSONDecodeError:
             return 502, {"error": {"message": f"vLLM answered {r.status_code}: {r.text[:500]}"}}
+
+
+    async def openai_stream(self, route: str, body: dict) -> tuple[int, AsyncIterator[bytes] | dict]:
+        """vLLM's own server-sent events, passed through as they arrive."""
+        r = await self.http.send(self.http.build_request("POST", f"/v1/{route}", json=body), stream=True)
+        if r.status_code != 200:
+            text = await r.aread()
+            await r.aclose()
+            try:
+                return r.status_code, json.loads(text)
+            except json.JSONDecodeError:
+                return 502, {"error": {"message": f"vLLM answered {r.status_code}: {text[:500]!r}"}}
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in r.aiter_raw():
+                    yield chunk
+            finally:
+                await r.aclose()
+
+        return 200, events()
 
 
 def _sequence_logprobs(seq: list[int], prompt_len: int, prompt_logprobs: list, k: int) -> SequenceLogprobs:
