@@ -6,6 +6,7 @@ holds the write lock while the engine applies the update. Routes: docs/PROTOCOL.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import os
@@ -13,14 +14,17 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .dataplane import DataPlane
 from .engines import make_engine
 from .engines.base import Engine, EngineError
 from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, WEIGHT_VERSION_HEADER, BeginRequest, CommitResult,
-                       LogprobsRequest, LogprobsResponse, UpdateStatus, VersionInfo, encode_logprobs_binary)
-from .settings import Settings
+                       IpcBucket, LogprobsRequest, LogprobsResponse, UpdateStatus, VersionInfo,
+                       encode_logprobs_binary)
+from .settings import Settings, is_loopback
 from .transactions import RWLock, UpdateError, UpdateManager
 
 
@@ -53,8 +57,9 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
         metrics.commits.inc()
         metrics.update_seconds.observe(result.stage_seconds + result.apply_seconds)
 
-    updates = UpdateManager(engine, staging_dir=settings.staging_dir, max_frame_bytes=settings.max_frame_bytes,
+    updates = UpdateManager(engine, max_frame_bytes=settings.max_frame_bytes,
                             idle_timeout_s=settings.update_idle_timeout_s, lock=lock, on_commit=on_commit)
+    plane = DataPlane(updates, token=settings.token)
     metrics.queue_depth.set_function(lambda: state["waiting"] + engine.queue_depth())
 
     @contextlib.asynccontextmanager
@@ -62,9 +67,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
         await engine.start()
         updates.version = await engine.weight_version()
         metrics.version.set(updates.version)
+        if settings.data_port is not None:
+            updates.data_port = await plane.start(settings.host, settings.data_port)
         try:
             yield
         finally:
+            await plane.close()
             await engine.close()
 
     app = FastAPI(title="nvfp4-sampler sidecar", lifespan=lifespan)
@@ -107,7 +115,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "engine": engine.kind, "model": engine.model_id, "weight_version": updates.version,
-                "pid": os.getpid()}
+                "data_port": updates.data_port, "pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -117,7 +125,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     async def version():
         cur = updates.current
         return VersionInfo(weight_version=updates.version, model=engine.model_id, engine=engine.kind,
-                           update=cur.status() if cur is not None and cur.state == "open" else None)
+                           update=updates.status(cur) if cur is not None and cur.state == "open" else None)
 
     # ------------------------------------------------------------------ update transactions
     @app.post("/v1/weights/updates", response_model=UpdateStatus, status_code=201, dependencies=[Depends(authorized)])
@@ -126,11 +134,21 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/v1/weights/updates/{update_id}", response_model=UpdateStatus)
     async def update_status(update_id: str):
-        return updates.get(update_id).status()
+        return updates.status(updates.get(update_id))
 
     @app.put("/v1/weights/updates/{update_id}/body", response_model=UpdateStatus, dependencies=[Depends(authorized)])
     async def body(update_id: str, request: Request):
         return await updates.ingest(update_id, request.stream())
+
+    @app.post("/v1/weights/updates/{update_id}/ipc", response_model=UpdateStatus, dependencies=[Depends(authorized)])
+    async def ipc_bucket(update_id: str, bucket: IpcBucket, request: Request):
+        if request.client is None or not is_loopback(request.client.host):
+            raise UpdateError("IPC buckets are accepted from this host only (loopback)", status=403)
+        rx = updates.receiver(update_id)
+        try:
+            return await asyncio.to_thread(updates.stage_ipc, rx, bucket)
+        finally:
+            updates.body_done(rx)
 
     @app.post("/v1/weights/updates/{update_id}/commit", response_model=CommitResult,
               dependencies=[Depends(authorized)])
@@ -156,10 +174,43 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     # ------------------------------------------------------------------ OpenAI-compatible
-    async def openai(route: str, body: dict) -> JSONResponse:
+    async def openai(route: str, body: dict) -> Response:
+        if body.get("stream"):
+            return await openai_stream(route, body)
         async with serving() as v:
             status, out = await engine.openai(route, body)
         return JSONResponse(out, status_code=status, headers={WEIGHT_VERSION_HEADER: str(v)})
+
+    async def openai_stream(route: str, body: dict) -> Response:
+        """Server-sent events; the stream holds the read lock until its last chunk, so all of it
+        runs on one weight version (a commit waits for running streams)."""
+        hold = serving()
+        v = await hold.__aenter__()
+        held = [True]
+
+        async def release():
+            if held[0]:
+                held[0] = False
+                await hold.__aexit__(None, None, None)
+
+        try:
+            status, stream = await engine.openai_stream(route, body)
+        except BaseException:
+            await release()
+            raise
+        if status != 200:
+            await release()
+            return JSONResponse(stream, status_code=status, headers={WEIGHT_VERSION_HEADER: str(v)})
+
+        async def events():
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                await release()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={WEIGHT_VERSION_HEADER: str(v)},
+                                 background=BackgroundTask(release))      # also when never iterated
 
     @app.get("/v1/models")
     async def models():

@@ -60,6 +60,7 @@ class SamplerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
         self.retries = retries
+        self._data_ports: dict[str, int | None] = {}      # update id -> the sidecar's data-plane port
 
     def close(self) -> None:
         self.http.close()
@@ -99,15 +100,30 @@ class SamplerClient:
     # ------------------------------------------------------------------ update transaction, step by step
     def begin(self, target_version: int, manifest: list[TensorEntry]) -> UpdateStatus:
         req = BeginRequest(target_version=target_version, manifest=manifest)
-        return UpdateStatus.model_validate(self._call("POST", "/v1/weights/updates", json=req.model_dump()).json())
+        st = UpdateStatus.model_validate(self._call("POST", "/v1/weights/updates", json=req.model_dump()).json())
+        self._data_ports[st.update_id] = st.data_port
+        return st
 
     def status(self, update_id: str) -> UpdateStatus:
         return UpdateStatus.model_validate(self._call("GET", f"/v1/weights/updates/{update_id}").json())
 
     def send(self, update_id: str, body: Iterable[bytes | memoryview]) -> UpdateStatus:
-        """Stream one body of frames (chunked transfer)."""
-        r = self._call("PUT", f"/v1/weights/updates/{update_id}/body", content=_bytes(body),
-                       headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        """Stream one body of frames (chunked transfer), to the sidecar's data-plane port when it
+        announced one (payloads land in the staging area without copies there), else the main port."""
+        path, port = f"/v1/weights/updates/{update_id}/body", self._data_ports.get(update_id)
+        url = self.http.base_url.copy_with(port=port, raw_path=path.encode()) if port else path
+        r = self._call("PUT", url, content=_bytes(body), headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        return UpdateStatus.model_validate(r.json())
+
+    def send_ipc(self, update_id: str, tensors: Tensors, names: list[str] | None = None) -> UpdateStatus:
+        """Stage one bucket through shared memory (same host): the entries `names` of checkpoint-named
+        `tensors` (default: all; NVFP4 triplets grouped), packed into one buffer on their device (CUDA:
+        CUDA IPC, no host copy; CPU: a shared-memory file) whose handle the sidecar opens and copies."""
+        from . import ipc
+
+        flat, req = ipc.bucket(tensors, names)
+        r = self._call("POST", f"/v1/weights/updates/{update_id}/ipc", json=req.model_dump())
+        del flat                                          # the sidecar's copies are complete
         return UpdateStatus.model_validate(r.json())
 
     def commit(self, update_id: str) -> CommitResult:
