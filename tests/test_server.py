@@ -357,3 +357,70 @@ def test_client_resumes_after_a_dropped_connection(client, server, models, refer
     assert res.weight_version == v + 1 and res.payload_bytes > 200_000
     assert res.commit.bytes == res.payload_bytes         # every frame arrived once: only the missing were re-sent
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def test_openai_streaming_matches_non_streaming(server, models):
+    """`stream: true` through the sidecar with the official client: the chunks join to the greedy
+    non-streamed answer, the stream carries X-Weight-Version, and errors come before the stream."""
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "The capital of France"}]
+    full = oa.chat.completions.create(model=str(models["a"]), messages=msgs, max_tokens=8, temperature=0)
+    raw = oa.chat.completions.with_raw_response.create(model=str(models["a"]), messages=msgs, max_tokens=8,
+                                                       temperature=0, stream=True)
+    assert raw.headers[WEIGHT_VERSION_HEADER].isdigit()
+    chunks = list(raw.parse())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    comp = oa.completions.create(model=str(models["a"]), prompt="The quick brown", max_tokens=6, temperature=0)
+    pieces = list(oa.completions.create(model=str(models["a"]), prompt="The quick brown", max_tokens=6,
+                                        temperature=0, stream=True))
+    assert len(pieces) >= 2 and "".join(p.choices[0].text for p in pieces) == comp.choices[0].text
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="nope", prompt="x", max_tokens=1, stream=True)
+
+
+def test_a_push_waits_for_a_running_stream(client, server, models):
+    """A stream pins its weight version: a commit started mid-stream completes only after it."""
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    v, _ = lp(client)
+    raw = oa.completions.with_raw_response.create(model=str(models["a"]), prompt="Once upon a time", max_tokens=48,
+                                                  temperature=0, stream=True)
+    stream = iter(raw.parse())
+    next(stream)                                             # the stream is running
+    done = {}
+
+    def push():
+        with SamplerClient(server.url, token=TOKEN) as c:
+            done["result"] = c.push(models["b"], layout="nvfp4", progress=False)
+        done["t"] = time.monotonic()
+
+    t = threading.Thread(target=push)
+    t.start()
+    rest = list(stream)
+    stream_end = time.monotonic()
+    t.join()
+    assert int(raw.headers[WEIGHT_VERSION_HEADER]) == v and rest
+    assert done["result"].weight_version == v + 1 and done["t"] >= stream_end
+
+
+def test_ipc_buckets_update_equals_fresh_engine(client, models, reference_logprobs):
+    """The colocated route on CPU (shared-memory files, the same transaction code as CUDA IPC): two
+    buckets, commit, log-probs of a fresh engine; a bucket with NaN is refused whole, naming it."""
+    client.push(models["a"], layout="nvfp4", progress=False)
+    v, before = lp(client)
+    b = tensors(models["b_nvfp4"])
+    names = [e.name for e in iter_entries(b)]
+    st = client.begin(v + 1, list(iter_entries(b)))
+    bad = dict(b)
+    scale = next(n for n in names if n.endswith("q_proj.weight")).removesuffix(".weight") + ".weight_scale"
+    bad[scale] = b[scale].clone()
+    bad[scale].view(torch.uint8)[0, 0] = 0x7F                 # float8_e4m3fn NaN
+    with pytest.raises(SidecarError, match=f"{scale}: payload holds NaN or Inf") as e:
+        client.send_ipc(st.update_id, bad, names[:20])
+    assert e.value.status == 422 and client.status(st.update_id).received == 0
+    client.send_ipc(st.update_id, b, names[:20])
+    st = client.send_ipc(st.update_id, b, names[20:])
+    assert st.missing == [] and st.received == len(names)
+    assert client.commit(st.update_id).weight_version == v + 1
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])

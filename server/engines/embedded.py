@@ -234,14 +234,16 @@ class EmbeddedEngine(Engine):
         try:
             if chat:
                 yield event(None, None, first=True)
-            ids, sent = [], ""
+            ids, sent, text = [], "", ""
             while (tokens := await queue.get()) is not None:
                 ids += [t for t in tokens if not chat or t != self.tokenizer.eos_token_id]
                 text = self.tokenizer.decode(ids, skip_special_tokens=chat)
-                if text.endswith("\ufffd") or len(text) <= len(sent):     # an incomplete UTF-8 sequence
+                if text.endswith("\ufffd") or len(text) <= len(sent):     # wait: an incomplete UTF-8 sequence
                     continue
                 yield event(text[len(sent):], None)
                 sent = text
+            if len(text) > len(sent):
+                yield event(text[len(sent):], None)
             _, _, finish = await job
             yield event(None, finish)
             yield b"data: [DONE]\n\n"
