@@ -1,19 +1,59 @@
-"""Backend dispatch for the NVFP4 ops used by engines: probe-and-reason backends, one chooser.
+"""Backends of the NVFP4 ops used by engines, and the one chooser that picks a backend per layer.
 
-A backend is a class with `is_supported(device) -> (ok, reason)` and the ops. `choose_backend`
-walks the priority list (or honours a forced name) and fails with every collected reason; the
-torch reference is always supported and always last. A forced backend that cannot run raises.
-Backend libraries (triton) are imported only inside the backend that needs them.
+A backend is a class with
+  is_supported(device) -> (ok, reason)       can it run on this device at all (libraries, hardware)
+  can_implement(req) -> (ok, reason)         can it compute this layer (`Requirements`: op, scaling,
+                                             activation amax override, shape)
+and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`). `choose_backend` runs once
+per layer when an engine creates or loads its weights: it walks PRIORITY (or honours a forced name)
+and fails with every collected reason; the torch reference is always supported and always last. A
+forced backend that cannot run raises instead of falling back. The chosen *name* is stored on the
+layer; forwards call `kernels.ops` (torch custom ops) with it, which look the class up in BACKENDS:
+no probing, importing or counting in a forward. Backend libraries (triton) are imported only inside
+the backend that needs them.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib.util
 
 import torch
 
 from . import cpu_quant, reference
-from .format import NVFP4Tensor
+from .format import BLOCK, NVFP4Tensor
+
+OPS = ("linear", "moe", "quantize_activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirements:
+    """What a layer asks of a backend.
+
+    op: one of OPS. scaling: activation scaling, "per_token" or "per_tensor". amax_override: the
+    layer passes its own activation amax (tensor-parallel row-parallel layers, all-reduced over
+    ranks). k: the reduction size K of the layer (of the first GEMM for MoE), None if unknown.
+    """
+
+    op: str
+    scaling: str = "per_token"
+    amax_override: bool = False
+    k: int | None = None
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
+        if self.scaling not in ("per_token", "per_tensor"):
+            raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {self.scaling!r}")
+
+
+def _common_checks(req: Requirements) -> tuple[bool, str]:
+    if req.k is not None and req.k % BLOCK:
+        return False, f"K={req.k} is not a multiple of {BLOCK}"
+    if req.op == "moe" and req.scaling != "per_token":
+        return False, "MoE experts implement per-token activation scaling only"
+    if req.op == "moe" and req.amax_override:
+        return False, "MoE experts take no activation amax override"
+    return True, ""
 
 
 class ReferenceBackend:
@@ -27,18 +67,45 @@ class ReferenceBackend:
         return True, "plain torch runs on every device"
 
     @staticmethod
+    def can_implement(req: Requirements) -> tuple[bool, str]:
+        ok, reason = _common_checks(req)
+        return (ok, reason) if not ok else (True, "the reference implements every op")
+
+    @staticmethod
     def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
         quantizer = cpu_quant if w.device.type == "cpu" else reference
         return quantizer.quantize_weight(w, recipe=recipe, amax=amax)
 
     @staticmethod
+    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+        return reference.quantize_activations(x, scaling=scaling, amax=amax)
+
+    @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
                amax: torch.Tensor | None = None) -> torch.Tensor:
-        return reference.linear(x, w, bias=bias, scaling=scaling, amax=amax)
+        x, bad = _split_nonfinite(x, per_token=scaling == "per_token")
+        return _poison(reference.linear(x, w, bias=bias, scaling=scaling, amax=amax), bad)
 
     @staticmethod
     def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-        return reference.moe(x, w13, w2, topk_weights, topk_ids)
+        x, bad = _split_nonfinite(x, per_token=True)
+        return _poison(reference.moe(x, w13, w2, topk_weights, topk_ids), bad)
+
+
+def _split_nonfinite(x: torch.Tensor, *, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with non-finite values zeroed, bool [..., 1] rows to return as NaN).
+
+    The spec raises on non-finite input; an engine forward must not: vLLM's start-up profile runs
+    feed uninitialized attention outputs. As a GPU kernel would, such rows (per token) or the whole
+    output (per tensor) come out NaN, and no host sync is needed to decide it."""
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)
+    if not per_token:
+        bad = bad.any().expand_as(bad)
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), bad
+
+
+def _poison(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    return out.masked_fill(bad, float("nan"))
 
 
 class TritonHopperBackend:
@@ -63,18 +130,27 @@ class TritonHopperBackend:
         return True, f"CUDA capability {cap[0]}.{cap[1]} with triton"
 
     @staticmethod
+    def can_implement(req: Requirements) -> tuple[bool, str]:
+        ok, reason = _common_checks(req)
+        return (ok, reason) if not ok else (True, "the Triton kernels implement every op (amax override included)")
+
+    @staticmethod
     def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
         from . import triton_quant
         return triton_quant.quantize_weight(w, recipe=recipe, amax=amax)
 
     @staticmethod
+    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+        from . import triton_quant
+        if scaling == "per_tensor":
+            return triton_quant.quantize_per_tensor(x, amax=amax)
+        return triton_quant.quantize_per_token(x, amax=amax)
+
+    @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
                amax: torch.Tensor | None = None) -> torch.Tensor:
-        if amax is not None:
-            raise NotImplementedError("triton_hopper: an activation amax override (tensor-parallel "
-                                      "row-parallel layers) is not implemented; use backend='reference'")
         from . import triton_gemm
-        return triton_gemm.linear(x, w, bias=bias, scaling=scaling)
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax)
 
     @staticmethod
     def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -86,45 +162,53 @@ BACKENDS: dict[str, type] = {"triton_hopper": TritonHopperBackend, "reference": 
 PRIORITY: list[str] = ["triton_hopper", "reference"]   # GPU backends first; the reference always runs
 
 
-@functools.lru_cache(maxsize=None)
-def choose_backend(device: torch.device, backend: str = "auto"):
-    """The backend class for `device`: `backend="auto"` walks PRIORITY, a name forces one.
+def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Requirements | None = None) -> type:
+    """The backend class that runs `req` (default: a per-token linear) on `device`; engines store
+    its `.name` on the layer.
 
-    Raises ValueError for an unknown name and RuntimeError (with every reason) if none can run.
+    backend="auto" walks PRIORITY; a name forces that backend. Raises ValueError for an unknown
+    name and RuntimeError naming every backend's reason if none can run it (or the forced one cannot).
+    Call it once per layer, when weights are created or loaded, never in a forward.
     """
-    if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown NVFP4 backend {backend!r}; known: {sorted(BACKENDS)}")
-        ok, reason = BACKENDS[backend].is_supported(device)
-        if not ok:
-            raise RuntimeError(f"NVFP4 backend {backend!r} cannot run on {device}: {reason}")
-        return BACKENDS[backend]
+    device = torch.device(device)
+    req = req or Requirements("linear")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown NVFP4 backend {backend!r}; known: {sorted(BACKENDS)} or 'auto'")
     reasons = []
-    for name in PRIORITY:
+    for name in ([backend] if backend != "auto" else PRIORITY):
         ok, reason = BACKENDS[name].is_supported(device)
+        if ok:
+            ok, reason = BACKENDS[name].can_implement(req)
         if ok:
             return BACKENDS[name]
         reasons.append(f"{name}: {reason}")
-    raise RuntimeError(f"no NVFP4 backend can run on {device}: " + "; ".join(reasons))
+    what = f"backend {backend!r} cannot run" if backend != "auto" else "no NVFP4 backend can run"
+    raise RuntimeError(f"{what} {req.op} (scaling={req.scaling}, amax_override={req.amax_override}, K={req.k}) "
+                       f"on {device}: " + "; ".join(reasons))
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
            scaling: str = "per_token", amax: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """W4A4 linear. x [..., K] bf16/fp16/fp32; w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N] x.dtype.
+    """W4A4 linear outside engines (tests, tools). x [..., K] bf16/fp16/fp32; w [N, K] NVFP4
+    (global_scale [] or [N]) -> [..., N] x.dtype. backend "auto" probes here; engines call
+    `kernels.ops` with the name chosen at load instead.
 
     amax: optional activation amax override, fp32 [...] per token or [] per tensor (see
     `reference.quantize_activations`); None lets the backend reduce x itself.
     """
-    return choose_backend(x.device, backend).linear(x, w, bias=bias, scaling=scaling, amax=amax)
+    req = Requirements("linear", scaling=scaling, amax_override=amax is not None, k=x.shape[-1])
+    return choose_backend(x.device, backend, req=req).linear(x, w, bias=bias, scaling=scaling, amax=amax)
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """W4A4 SwiGLU MoE (routing done by the caller); shapes as `reference.moe`."""
-    return choose_backend(x.device, backend).moe(x, w13, w2, topk_weights, topk_ids)
+    """W4A4 SwiGLU MoE outside engines (routing done by the caller); shapes as `reference.moe`."""
+    req = Requirements("moe", k=x.shape[-1])
+    return choose_backend(x.device, backend, req=req).moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def quantize_weight_on(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
                        backend: str = "auto") -> NVFP4Tensor:
-    """quantize_weight on w's device through the chosen backend (bit-identical to the reference)."""
+    """quantize_weight on w's device through the chosen backend (bit-identical to the reference).
+    A load-time operation (it probes the backend)."""
     return choose_backend(w.device, backend).quantize_weight(w, recipe=recipe, amax=amax)

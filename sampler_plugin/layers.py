@@ -23,8 +23,9 @@ import logging
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
-from kernels import dispatch
+from kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
 from kernels.format import BLOCK, NVFP4Tensor
 
 from .config import SamplerConfig
@@ -300,30 +301,55 @@ class LoadTracker:
         self.seen.clear()
 
 
-def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None,
-                 config: SamplerConfig, tp_group=None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM.
+def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.device | str, k: int,
+                   tp_amax: bool = False) -> str:
+    """The kernels backend name that runs layer `name` (once per layer, when weights are created).
 
-    tp_group: the tensor-parallel process group of a row-parallel layer whose x holds only this
-    rank's K-slice of each token. The activation amax (per token, or per tensor) is then
-    all-reduced (MAX) over the group first, so every rank quantizes its slice with the scale of the
-    whole row: the codes equal those of the unsharded layer (and of the learner).
+    op: "linear" or "moe"; k: the layer's (per-rank) input size; tp_amax: a row-parallel layer on
+    more than one tensor-parallel rank, which passes the all-reduced activation amax. Raises
+    RuntimeError naming the layer and every backend's reason if none can serve it (or the one
+    `config.backend` forces cannot).
+    """
+    req = dispatch.Requirements(op, scaling=config.activation_scaling, amax_override=tp_amax, k=k)
+    try:
+        return dispatch.choose_backend(device, config.backend, req=req).name
+    except (RuntimeError, ValueError) as e:
+        raise type(e)(f"nvfp4_sampler: {name}: {e}") from None
+
+
+def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None, config: SamplerConfig,
+                 backend: str | None = None, tp_group=None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM
+    (`torch.ops.nvfp4_sampler.linear`).
+
+    backend: the name `choose_backend` gave at load (engine forwards always pass it); None chooses
+    here, which probes (tools and tests outside engines only).
+    tp_group: the tensor-parallel process group of a row-parallel layer sharded over more than one
+    rank, whose x holds only this rank's K-slice of each token. The activation amax (per token, or
+    per tensor) is then all-reduced (MAX) over the group first (a functional collective, so
+    torch.compile traces it), and every rank quantizes its slice with the scale of the whole row:
+    the codes equal those of the unsharded layer (and of the learner).
     """
     amax = None
-    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+    if tp_group is not None:
         per_token = config.activation_scaling == "per_token"
         amax = x.abs().float().amax(-1) if per_token else x.abs().float().amax()
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-    return dispatch.linear(x, w.nvfp4(), bias=bias, scaling=config.activation_scaling, amax=amax,
-                           backend=config.backend)
+        amax = funcol.all_reduce(amax, "max", tp_group)
+    if backend is None:
+        backend = choose_backend(config, op="linear", name="linear", device=x.device, k=x.shape[-1],
+                                 tp_amax=amax is not None)
+    return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax,
+                                          scaling=config.activation_scaling, backend=backend)
 
 
 def apply_moe(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, config: SamplerConfig) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] gate rows then up rows; w2 [E, H, I]; routing given -> [T, H]."""
-    if config.activation_scaling != "per_token":
-        raise ValueError("nvfp4_sampler: MoE experts support activation_scaling='per_token' only")
-    return dispatch.moe(x, w13.nvfp4(), w2.nvfp4(), topk_weights, topk_ids, backend=config.backend)
+              topk_ids: torch.Tensor, *, config: SamplerConfig, backend: str | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] gate rows then up rows; w2 [E, H, I]; routing given -> [T, H]
+    (`torch.ops.nvfp4_sampler.moe`). backend: as in `apply_linear`."""
+    if backend is None:
+        backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1])
+    return torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
+                                       w2.global_scale, topk_weights, topk_ids, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True)

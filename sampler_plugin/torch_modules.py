@@ -24,6 +24,8 @@ class NVFP4Linear(nn.Module):
         self.global_scale = nn.Parameter(weight.global_scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.config = config
+        self.backend = layers.choose_backend(config, op="linear", name="NVFP4Linear", device=weight.codes.device,
+                                             k=weight.codes.shape[-1] * 2)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig) -> "NVFP4Linear":
@@ -37,7 +39,7 @@ class NVFP4Linear(nn.Module):
         return layers.QuantizedWeight(self.codes, self.block_scales, self.global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layers.apply_linear(x, self.weight(), bias=self.bias, config=self.config)
+        return layers.apply_linear(x, self.weight(), bias=self.bias, config=self.config, backend=self.backend)
 
 
 class NVFP4Experts(nn.Module):
@@ -52,6 +54,8 @@ class NVFP4Experts(nn.Module):
         self.w13 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w13)])
         self.w2 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w2)])
         self.config = config
+        self.backend = layers.choose_backend(config, op="moe", name="NVFP4Experts", device=w13.codes.device,
+                                             k=w13.codes.shape[-1] * 2)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, name: str, config: SamplerConfig,
@@ -75,7 +79,8 @@ class NVFP4Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = (layers.QuantizedWeight(*p) for p in (self.w13, self.w2))
-        return layers.apply_moe(hidden_states, w13, w2, top_k_weights, top_k_index, config=self.config)
+        return layers.apply_moe(hidden_states, w13, w2, top_k_weights, top_k_index, config=self.config,
+                                backend=self.backend)
 
 
 def dataclass_tensors(w: layers.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

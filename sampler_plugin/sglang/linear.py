@@ -81,6 +81,8 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
             offset += size
         layer.nvfp4_tracker = layers.LoadTracker(shards)
         layer.nvfp4_loaded = False
+        layer.nvfp4_backend = layers.choose_backend(self.config, op="linear", name=self.prefix, device=w.codes.device,
+                                                    k=input_size_per_partition)
         self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module) -> ShardLoader:
@@ -97,4 +99,5 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
         return [self.storage(layer)]
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config)
+        w = layers.QuantizedWeight(layer.weight, layer.weight_scale, layer.weight_scale_2)
+        return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend)

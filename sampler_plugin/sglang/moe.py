@@ -2,7 +2,7 @@
 
 SGLang's TopK computes topk_weights / topk_ids exactly as the model defines them (softmax, top-k,
 renormalisation) and hands them over in the dispatch output; `apply` runs the experts through
-`kernels.dispatch.moe` and returns a StandardCombineInput. Parameters (checkpoint layout):
+`torch.ops.nvfp4_sampler.moe` and returns a StandardCombineInput. Parameters (checkpoint layout):
   w13_weight [E, 2I, H/2] uint8, w13_weight_scale [E, 2I, H/16] e4m3, w13_weight_scale_2 [E, 2I] fp32
      (gate rows then up rows; each expert's gate_proj and up_proj keep their own decode scale)
   w2_weight  [E, H, I/2] uint8,  w2_weight_scale  [E, H, I/16] e4m3,  w2_weight_scale_2  [E] fp32
@@ -44,6 +44,8 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
                               for e in range(num_experts)]
         layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
         layer.nvfp4_loaded = False
+        layer.nvfp4_backend = layers.choose_backend(self.config, op="moe", name=self.prefix, device=w13.codes.device,
+                                                    k=hidden_size)
         self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module) -> ShardLoader:
@@ -78,7 +80,8 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
         topk = dispatch_output.topk_output
-        w = self.storage(layer)
-        out = layers.apply_moe(dispatch_output.hidden_states, w["w13"], w["w2"], topk.topk_weights, topk.topk_ids,
-                               config=self.config)
+        w13 = layers.QuantizedWeight(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
+        w2 = layers.QuantizedWeight(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
+        out = layers.apply_moe(dispatch_output.hidden_states, w13, w2, topk.topk_weights, topk.topk_ids,
+                               config=self.config, backend=layer.nvfp4_backend)
         return StandardCombineInput(hidden_states=out)

@@ -9,6 +9,8 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+from vllm.platforms import current_platform
 
 from .. import layers
 from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig
@@ -44,9 +46,25 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             self.memory.add_layer()
             return NVFP4MoEMethod(self.sampler, layer.moe_config, ckpt_prefix, self._on_processed)
+        if isinstance(layer, VocabParallelEmbedding):
+            return LiveEmbeddingMethod()
         return None
 
     def _on_processed(self, weights: tuple[layers.QuantizedWeight, ...]) -> None:
         for w in weights:
             self.memory.processed_weight(w)
         self.memory.processed_layer()
+
+
+class LiveEmbeddingMethod(UnquantizedEmbeddingMethod):
+    """Embeddings and lm_head stay unquantized and compute from their live `weight` parameter.
+
+    On CPU, vLLM's own method makes a packed copy of lm_head's weight at load (oneDNN or sgl-kernel
+    GEMM) that `model.load_weights(...)` after start (TRL colocate, verl) never refreshes, so the
+    log-probs stayed those of the old lm_head. Here the CPU GEMM reads `layer.weight` on every call
+    (torch.nn.functional.linear). On GPUs vLLM keeps no copy: nothing changes there.
+    """
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if current_platform.is_cpu():
+            layer.cpu_linear = torch.nn.functional.linear

@@ -69,6 +69,11 @@ class NVFP4LinearMethod(LinearMethodBase):
         w = layers.create_weight(sum(output_partition_sizes), input_size_per_partition, name=self.prefix)
         layer.nvfp4_geometry = (list(output_partition_sizes), input_size, input_size_per_partition)
         layers.register_weight(layer, w, self._loader(layer))
+        # a row-parallel rank holds a K-slice of every token: its per-token amax must span all ranks
+        row_sharded = isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1
+        layer.nvfp4_tp_group = get_tp_group().device_group if row_sharded else None
+        layer.nvfp4_backend = layers.choose_backend(self.config, op="linear", name=self.prefix, device=w.codes.device,
+                                                    k=input_size_per_partition, tp_amax=row_sharded)
 
     @staticmethod
     def _loader(layer: torch.nn.Module):
@@ -95,7 +100,6 @@ class NVFP4LinearMethod(LinearMethodBase):
         self.on_processed((loaded,))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # a row-parallel rank holds a K-slice of every token: its per-token amax must span all ranks
-        row_sharded = isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1
-        tp_group = get_tp_group().device_group if row_sharded else None
-        return layers.apply_linear(x, self.storage(layer), bias=bias, config=self.config, tp_group=tp_group)
+        w = layers.QuantizedWeight(layer.weight, layer.weight_scale, layer.weight_scale_2)
+        return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend,
+                                   tp_group=layer.nvfp4_tp_group)

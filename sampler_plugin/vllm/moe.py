@@ -1,7 +1,8 @@
 """vLLM fused-MoE method of nvfp4_sampler: NVFP4 experts, routing left to the model.
 
 vLLM's router computes topk_weights / topk_ids exactly as the model defines them (softmax, top-k,
-renormalisation); `apply` runs the experts through `kernels.dispatch.moe`. Parameters:
+renormalisation); `apply` runs the experts through `torch.ops.nvfp4_sampler.moe` with the backend
+chosen in `create_weights`. Parameters:
   w13_weight [E, 2I, H/2] uint8, w13_weight_scale [E, 2I, H/16] e4m3, w13_weight_scale_2 [E, 2I] fp32
      (gate rows then up rows; each expert's gate_proj and up_proj keep their own decode scale)
   w2_weight  [E, H, I/2] uint8,  w2_weight_scale  [E, H, I/16] e4m3,  w2_weight_scale_2  [E] fp32
@@ -58,6 +59,8 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
         for stem, w in (("w13", w13), ("w2", w2)):
             layers.register_weight(layer, w, loader, stem=f"{stem}_")
         layer.nvfp4_geometry = (hidden_size, inter, parallel.tp_rank, parallel.tp_size)
+        layer.nvfp4_backend = layers.choose_backend(self.config, op="moe", name=self.ckpt_prefix,
+                                                    device=w13.codes.device, k=hidden_size)
         layer.nvfp4_tracker = layers.LoadTracker(
             s for e in range(num_experts) for s in self.expert_shards(layer, e).values())
 
@@ -90,5 +93,6 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
               shared_experts, shared_experts_input) -> torch.Tensor:
         if shared_experts is not None:
             raise NotImplementedError("nvfp4_sampler: MoE layers with shared experts are not supported yet")
-        w = self.storage(layer)
-        return layers.apply_moe(x, w["w13"], w["w2"], topk_weights, topk_ids, config=self.config)
+        w13 = layers.QuantizedWeight(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
+        w2 = layers.QuantizedWeight(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
+        return layers.apply_moe(x, w13, w2, topk_weights, topk_ids, config=self.config, backend=layer.nvfp4_backend)
