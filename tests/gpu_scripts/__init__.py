@@ -1,0 +1,1 @@
+"""Scripts the GPU tests and benchmarks run in subprocesses (one vLLM engine per process)."""
