@@ -4,6 +4,9 @@ Rows: device copy bandwidth (the roofline, bytes read + written), per-token acti
 quantization, weight conversion of a Qwen3-30B-A3B-shaped layer (x48 layers), W4A4 linear at
 Qwen3-30B-A3B and Qwen3-8B shapes against cuBLAS BF16 (`torch.matmul`), the Qwen3-30B-A3B MoE
 layer against BF16 `torch._grouped_mm`, the plain torch-eager reference, and the memory ratio.
+Linear at M = 1 and 16 also times the peer `humming-kernels` 0.1.19 (vLLM's quantized GEMM
+backend) on the same ModelOpt NVFP4 weights, where installed (carry its wheel: `.whl/`, see
+docs/BENCHMARKS.md); without it the rows say why.
 
 Timing: CUDA-graph replays (`triton.testing.do_bench_cudagraph`, median), as engines run decode;
 the eager reference (which syncs on its input checks) with `triton.testing.do_bench` (median).
@@ -39,10 +42,29 @@ ACT_SWEEP = [dict(elements=e, num_warps=w, persist_stages=p) for e, w, p in
               (4096, 4, 2), (8192, 8, 2)]]
 WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
                 [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
-GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_k=128), dict(min_programs=264),
-              dict(min_programs=1056), dict(num_warps=8), dict(block_n=32, min_programs=1056)]
-DECODE_SWEEP = [dict(), dict(block_k=128), dict(block_n=32), dict(block_n=128, num_warps=8), dict(num_warps=8),
-                dict(block_k=128, num_warps=8), dict(min_programs=528), dict(min_programs=132), dict(num_stages=3)]
+GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_b=4), dict(block_b=8), dict(block_b=32),
+              dict(num_warps=8), dict(min_programs=264), dict(min_programs=1056)]
+PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
+
+
+def peer_layers(w_q: list) -> tuple[list | None, str]:
+    """The peer kernel's layers for the ModelOpt NVFP4 weights w_q (repacked by the peer), or
+    (None, why) where the peer is not installed (carry its wheel: docs/BENCHMARKS.md)."""
+    try:
+        from humming.layer import HummingLayer
+    except Exception as err:                  # not installed, or its native part fails to load
+        return None, f"{PEER} not available: {type(err).__name__}: {err}"
+    layers = []
+    for w in w_q:
+        n, k = w.shape
+        with torch.device("cuda"):
+            layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "modelopt", "quant_algo": "nvfp4"},
+                                 torch_dtype=torch.bfloat16)
+        layer.load_from_tensors({"weight": w.codes, "weight_scale": w.block_scales,
+                                 "weight_scale_2": w.global_scale.reshape(1)})
+        layer.transform()
+        layers.append(layer)
+    return layers, PEER
 
 
 def graph_ms(fn) -> float:
@@ -147,36 +169,52 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
                                   model_ms=t * LAYERS_30B, gbps=gbps(nbytes, t), frac_peak_copy=gbps(nbytes, t) / peak_gbps))
 
 
-def bench_linear(log, quick: bool) -> None:
+def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
     ms = (1, 16, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
-    for name, (n, k) in LINEAR_SHAPES.items():
+    for name in shapes:
+        n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
         w_q = copies(lambda i: triton_quant.quantize_weight((torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)),
                      n * k * 9 // 16)
         log("memory", dict(shape=name, bf16_bytes=n * k * 2, nvfp4_bytes=w_q[0].nbytes, ratio=w_q[0].nbytes / (n * k * 2)))
+        peers, peer_note = peer_layers(w_q)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
-            for path in ("gemv",) * (m <= triton_gemm.GEMV_MAX_M) + ("packed",) * (m <= 1024) + ("bf16",):
+            for path in ("gemv",) * (m <= triton_gemm.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024) + ("bf16",):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if m <= triton_gemm.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                for fused in (True, False):
+                    row[f"gemv_{'fused' if fused else 'unfused'}_ms"] = graph_ms(
+                        lambda: [triton_gemm.launch_w4a4_gemv(x, w, out, fused=fused) for w in w_q]) / len(w_q)
             row["auto_path"] = triton_gemm.linear_path(m, "per_token")
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
             row["best_speedup_vs_cublas"] = cublas / min(row.get("gemv_ms", math.inf), row.get("packed_ms", math.inf), row["bf16_ms"])
+            row["weight_gbps"] = gbps(w_q[0].nbytes, row["ours_ms"])
+            row["weight_frac_copy"] = row["weight_gbps"] / peak_gbps
             if m in (1, 16):
+                if peers is None:
+                    row["peer_note"] = peer_note
+                else:
+                    peers[0](x)                                   # JIT compile outside the graph
+                    want = reference.linear(x, w_q[0]).float()
+                    row["peer_rel_err"] = ((peers[0](x).float() - want).norm() / want.norm()).item()
+                    row["peer_ms"] = graph_ms(lambda: [layer(x) for layer in peers]) / len(peers)
+                    row["speedup_vs_peer"] = row["peer_ms"] / row["ours_ms"]
+                    row["peer_speedup_vs_cublas"] = cublas / row["peer_ms"]
+            if m in (1, 16) and sweep_configs:
                 row["ref_ms"] = eager_ms(lambda: reference.linear(x, w_q[0]))
-                gemv = m <= triton_gemm.GEMV_MAX_M
                 sweep = {}
-                for over in (GEMV_SWEEP if gemv else DECODE_SWEEP):
-                    cfg = (triton_gemm.gemv_config if gemv else triton_gemm.packed_config)(m, n, k, **over)
-                    launch = triton_gemm.launch_w4a4_gemv if gemv else triton_gemm.launch_w4a4
+                for over in GEMV_SWEEP:
+                    cfg = triton_gemm.gemv_config(m, n, k, **over)
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
-                    def run(cfg=cfg, launch=launch, out=out):
-                        a = triton_quant.quantize_per_token(x)
+                    def run(cfg=cfg, out=out):
                         for w in w_q:
-                            launch(a, w, out, config=cfg)
+                            triton_gemm.launch_w4a4_gemv(x, w, out, config=cfg)
                     sweep[json.dumps(over)] = dict(cfg=cfg, ms=graph_ms(run) / len(w_q))
                 best = min(sweep.values(), key=lambda v: v["ms"])
                 row["sweep"] = sweep
@@ -184,7 +222,7 @@ def bench_linear(log, quick: bool) -> None:
                 row["sweep_best_cfg"] = best["cfg"]
                 row["sweep_best_speedup_vs_cublas"] = cublas / best["ms"]
             log("linear", row)
-        del w_bf, w_q
+        del w_bf, w_q, peers
         torch.cuda.empty_cache()
 
 
@@ -246,12 +284,23 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     print("\nweight conversion, Qwen3-30B-A3B layer x48")
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
-    print("\nlinear (us; speedup = cuBLAS / ours)\n  shape           M    cuBLAS     gemv   packed     bf16  path    speedup  best-swept")
+    print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS     gemv   packed"
+          "     bf16  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
     for r in by("linear"):
         sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
+        peer = (f"{r['peer_ms'] * 1e3:7.1f} {r['peer_speedup_vs_cublas']:10.2f}x {r['speedup_vs_peer']:8.2f}x"
+                if "peer_ms" in r else f"{'-':>7s} {'-':>11s} {'-':>9s}")
         print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
               f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
-              f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x  {sw}")
+              f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x {r['weight_gbps']:6.0f} {100 * r['weight_frac_copy']:5.1f}"
+              f" {peer}  {sw}")
+    for r in by("linear"):
+        if "gemv_fused_ms" in r:
+            print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "
+                  f"separate launch {r['gemv_unfused_ms'] * 1e3:.1f} us")
+    notes = {r["peer_note"] for r in by("linear") if "peer_note" in r}
+    for note in notes:
+        print(f"  note: {note}")
     print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us   bf16 grouped us  speedup  ref us")
     for r in by("moe"):
         base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
@@ -269,6 +318,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="bench_kernels.json", help="where to write the records")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--only", default="act,weight,moe,linear", help="comma-separated sections (copy always runs)")
+    p.add_argument("--shapes", default=",".join(LINEAR_SHAPES), help="comma-separated linear shapes")
+    p.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweeps and the eager reference")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -289,7 +340,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     peak = bench_copy(log)
     sections = {"act": lambda: bench_act_quant(log, peak, args.quick), "weight": lambda: bench_weight_conversion(log, peak),
-                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, args.quick)}
+                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, peak, args.quick, args.shapes.split(","), not args.no_sweep)}
     for name, run in sections.items():
         if name not in only:
             continue

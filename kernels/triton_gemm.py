@@ -6,15 +6,16 @@ scales (per token for activations, per output row for weights) are applied in th
 the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `reference.nvfp4_gemm`
 only by the order of the FP32 additions.
 
-Three paths, chosen by `linear_path(m)` and counted in `PATH_COUNTS`:
-  "gemv"    (M <= GEMV_MAX_M)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory, are decoded
-            in registers (an inline-PTX `prmt` table lookup turns 4 codes into FP16 in a few
-            instructions) and multiplied on the FP32 units: no shared memory, no barrier in the K loop.
-  "packed"  (M <= PACKED_MAX_M)  `_w4a4_kernel`: the same decode, then tensor cores (tl.dot FP16 x
-            FP16 -> FP32) as W @ A^T so the big operand is the MMA's register operand.
-            Both: split-K partial sums meet in an FP32 workspace; the last program of a tile
-            (atomic counter) applies the epilogue and zeroes the workspace again, so a call is one
-            launch after the activation quantization.
+Three paths, chosen by `linear_path(m)`:
+  "gemv"    (M <= GEMV_MAX_M)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory and are read
+            as int64 blocks of 16 codes; shifts and masks turn codes into FP16 bit patterns and packed
+            FP16 multiply-adds form exact block dot products (see `_DOT16`), scaled and summed in
+            FP32: no shared memory, no barrier in the K loop.
+  "packed"  (M <= PACKED_MAX_M)  `_w4a4_kernel`: an inline-PTX `prmt` table decode, then tensor
+            cores (tl.dot FP16 x FP16 -> FP32) as W @ A^T so the big operand is the MMA's register operand.
+            Both: split-K partial sums go to one FP32 plane per K-slice; the last program of a tile
+            (atomic counter) adds the planes in a fixed order (bitwise deterministic) and applies the
+            epilogue, so a call is one launch after the activation quantization.
   "bf16"    (larger M)  the activation is quantized into exact BF16 values (one fused pass), the
             weight is decoded into a transient exact BF16 copy (no persistent cache: memory stays at
             0.28x BF16), cuBLAS multiplies with an FP32 output (`torch.mm(..., out_dtype=float32)`),
@@ -25,7 +26,6 @@ the router weight.
 """
 from __future__ import annotations
 
-import collections
 import os
 
 import torch
@@ -36,7 +36,6 @@ from . import triton_quant
 from .format import NVFP4Tensor
 
 PACKED_MAX_M = 64
-PATH_COUNTS: collections.Counter = collections.Counter()   # path name -> calls (what the dispatcher chose)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
@@ -128,7 +127,7 @@ def _w4a4_kernel(
     w_codes, w_scales, w_gs, stride_gs_e, stride_gs_n, W_ROWS,
     out, row_weight, bias,           # out [R, N]; row_weight fp32 [R] (ROW_WEIGHT); bias [N] (HAS_BIAS)
     tile_expert, tile_start, tile_end,   # int32 [tiles] (GROUPED): expert and row range of each M tile
-    ws, counters,                    # split-K: fp32 [R, N] and int32 [tiles * n_tiles], both zero
+    ws, counters,                    # split-K: fp32 [SPLIT_K, R, N] planes, int32 [tiles * n_tiles] zeroed
     R, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr,
@@ -186,73 +185,234 @@ def _w4a4_kernel(
                 u_c, u_s, u_c1, u_s1 = u_c1, u_s1, u_c2, u_s2
             a_c, a_s, a_c1, a_s1 = a_c1, a_s1, a_c2, a_s2
             w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
-        _finish_tile(acc, acc_u, rows, rmask, arow, cols, cmask, e, pid_m * tl.num_programs(1) + pid_n, ws, counters,
-                     out, a_gs, stride_a_gs, w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU,
+        a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
+        _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, pid_m * tl.num_programs(1) + pid_n, pid_k, R * N,
+                     ws, counters, out, w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU,
                      ROW_WEIGHT, HAS_BIAS)
+
+
+# The decode-size kernel multiplies 4-bit codes on packed FP16 units, exactly. A code nibble
+# s|e1 e0|m placed at FP16 bits 15 | 11..10 | 9 is the FP16 number e2m1(code) * 2^-14 (e = 0 lands
+# on the FP16 subnormals, which scale by 2^-14 too), so a weight word of 8 codes becomes 4 FP16x2
+# registers with 2 shifts and 2 masks each. Activations are decoded as e2m1 * 2^13. A product is
+# then e2m1_w * e2m1_a / 2, a multiple of 2^-3 of magnitude <= 18; the 8 products that meet in one
+# FP16 half over a 16-element block sum to <= 144 (<= 1152 * 2^-3, below 2^11 units): every FP16
+# multiply-add is exact. Two halves -> FP32 (exact), times (2 * s_w * s_a) (a 12-bit integer of
+# 2^-3 units times an 8-bit product: exact in FP32), then one FP32 addition per block.
+_DOT16 = tl.constexpr("""{
+.reg .b32 h;
+.reg .b16 l, u;
+.reg .f32 fl, fu;
+mul.rn.f16x2 h, $1, $9;
+fma.rn.f16x2 h, $2, $10, h;
+fma.rn.f16x2 h, $3, $11, h;
+fma.rn.f16x2 h, $4, $12, h;
+fma.rn.f16x2 h, $5, $13, h;
+fma.rn.f16x2 h, $6, $14, h;
+fma.rn.f16x2 h, $7, $15, h;
+fma.rn.f16x2 h, $8, $16, h;
+mov.b32 {l, u}, h;
+cvt.f32.f16 fl, l;
+cvt.f32.f16 fu, u;
+add.f32 $0, fl, fu;
+}""")
+
+
+@triton.jit
+def _word_regs(p):
+    """int32 word of 8 codes (element j in bits 4j..4j+3) -> 4 int32 FP16x2 registers holding
+    e2m1 * 2^-14 of the element pairs (0, 4), (1, 5), (2, 6), (3, 7) (low half, high half)."""
+    mag: tl.constexpr = 0x0E000E00
+    sgn: tl.constexpr = -2147450880                                  # 0x80008000
+    r0 = ((p << 9) & mag) | ((p << 12) & sgn)
+    r1 = ((p << 5) & mag) | ((p << 8) & sgn)
+    r2 = ((p << 1) & mag) | ((p << 4) & sgn)
+    r3 = ((p >> 3) & mag) | (p & sgn)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _block_regs(blk):
+    """int64 blocks of 16 codes -> 8 FP16x2 registers of e2m1 * 2^-14 (see `_word_regs`)."""
+    r0, r1, r2, r3 = _word_regs(blk.to(tl.int32))
+    r4, r5, r6, r7 = _word_regs((blk >> 32).to(tl.int32))
+    return r0, r1, r2, r3, r4, r5, r6, r7
+
+
+@triton.jit
+def _half(r, HIGH: tl.constexpr):
+    """FP16 half of an int32 FP16x2 register as fp32."""
+    bits = (r >> 16) if HIGH else r
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _times_2pow27(r):
+    """FP16x2 register of e2m1 * 2^-14 -> e2m1 * 2^13 (exact: |e2m1 * 2^13| <= 49152)."""
+    lo = (_half(r, False) * 134217728.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = (_half(r, True) * 134217728.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _act_block_regs(blk):
+    """int64 activation blocks -> 8 FP16x2 registers of e2m1 * 2^13 (the pairing of `_block_regs`)."""
+    r0, r1, r2, r3, r4, r5, r6, r7 = _block_regs(blk)
+    return (_times_2pow27(r0), _times_2pow27(r1), _times_2pow27(r2), _times_2pow27(r3),
+            _times_2pow27(r4), _times_2pow27(r5), _times_2pow27(r6), _times_2pow27(r7))
+
+
+@triton.jit
+def _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_ASM: tl.constexpr):
+    """Exact sum over a 16-element block of (e2m1_w * 2^-14) * (e2m1_a * 2^13) as fp32 (broadcasting
+    operands). USE_ASM: packed FP16 multiply-adds (GPU); else fp32 arithmetic (same exact value)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_DOT16, "=f" + ",r" * 16,
+                                         [w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        lo = (_half(w0, False) * _half(a0, False) + _half(w1, False) * _half(a1, False)
+              + _half(w2, False) * _half(a2, False) + _half(w3, False) * _half(a3, False)
+              + _half(w4, False) * _half(a4, False) + _half(w5, False) * _half(a5, False)
+              + _half(w6, False) * _half(a6, False) + _half(w7, False) * _half(a7, False))
+        hi = (_half(w0, True) * _half(a0, True) + _half(w1, True) * _half(a1, True)
+              + _half(w2, True) * _half(a2, True) + _half(w3, True) * _half(a3, True)
+              + _half(w4, True) * _half(a4, True) + _half(w5, True) * _half(a5, True)
+              + _half(w6, True) * _half(a6, True) + _half(w7, True) * _half(a7, True))
+        return lo + hi
+
+
+@triton.jit
+def _load_blocks(codes64, scales, rows64, rmask, b0, b_end, NB, BLOCK_B: tl.constexpr):
+    """Blocks [R, BLOCK_B] of rows (NB blocks per row) from block b0: codes as int64 (16 codes
+    each) and the e4m3 scales as fp32, zero at and beyond block b_end."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    mask = rmask[:, None] & (b < b_end)[None, :]
+    off = rows64[:, None] * NB + b[None, :]
+    c = tl.load(codes64 + off, mask=mask, other=0)
+    s = tl.load(scales + off, mask=mask, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _load_x(x, stride_xm, rows64, rmask, b0, b_end, BLOCK_B: tl.constexpr):
+    """Activations x[rows, 16*b0 : 16*(b0 + BLOCK_B)] as fp32 [R, BLOCK_B, 16], zero at and beyond
+    block b_end."""
+    b = b0 + tl.arange(0, BLOCK_B)
+    cols = b[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    mask = rmask[:, None, None] & (b < b_end)[None, :, None]
+    return tl.load(x + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_blocks(xb, s_enc):
+    """The spec's per-token quantizer (`triton_quant._quantize_tile`) on xb fp32 [R, BB, 16] with
+    S_enc [R] -> codes as int64 blocks [R, BB] and e4m3 scales as fp32 [R, BB]."""
+    R: tl.constexpr = xb.shape[0]
+    BB: tl.constexpr = xb.shape[1]
+    packed, scale, _ = triton_quant._quantize_tile(xb, tl.max(tl.abs(xb), axis=2), s_enc)
+    byte_shift = (tl.arange(0, 8) * 8).to(tl.int64)
+    blk = tl.sum(tl.reshape(packed, (R, BB, 8)).to(tl.int64) << byte_shift[None, None, :], axis=2)
+    return blk, scale.to(tl.float32)
 
 
 @triton.jit
 def _w4a4_gemv_kernel(
-    a_codes, a_scales, a_gs, stride_a_gs,      # activations [M, K] per-token NVFP4 (M <= M_PAD)
-    w_codes, w_scales, w_gs, stride_gs_n,      # weights [N, K] NVFP4, S_dec [N] (stride 0: per tensor)
+    x, stride_xm,                              # activations [M, K] float (rows of stride_xm, unit column stride)
+    amax, stride_amax,                         # fp32 amax override per row (stride 1) or per tensor (stride 0) (GIVEN_AMAX)
+    a_codes64, a_scales, a_gs, stride_a_gs,    # or, not FUSED: per-token NVFP4 codes as int64 [M, K/16], scales, S_dec
+    w_codes64, w_scales, w_gs, stride_gs_n,    # weights [N, K] NVFP4 (codes as int64 [N, K/16]), S_dec [N] or []
     out, bias, ws, counters, M, N, K,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
+    AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
+    FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr,
     HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    """Decode-size W4A4 GEMM on the FP32 units: no shared memory, no barriers in the K loop.
-    acc3[m, n, k] += w[n, k] * a[m, k] (exact products, FP32 sums), reduced over k at the end."""
+    """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
+    memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
+    FUSED: the activation is quantized here (one launch per linear): every program reduces the
+    amax of its rows over all of K (unless GIVEN_AMAX), then quantizes its K-slice block by block
+    with the spec's float operations (bit-identical codes and scales); PER_TENSOR: one amax for
+    all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    KH: tl.constexpr = BLOCK_K // 2
-    KB: tl.constexpr = BLOCK_K // 16
+    NB = K // 16
     rows = tl.arange(0, M_PAD)
     rmask = rows < M
     arow = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     wrow = cols.to(tl.int64)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
-    acc3 = tl.zeros((M_PAD, BLOCK_N, KH), dtype=tl.float32)
-    w_c, w_s = _load_packed(w_codes, w_scales, wrow, cmask, k_lo, k_hi, KH, KB, K)
-    w_c1, w_s1 = _load_packed(w_codes, w_scales, wrow, cmask, k_lo + BLOCK_K, k_hi, KH, KB, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w_c2, w_s2 = _load_packed(w_codes, w_scales, wrow, cmask, k0 + 2 * BLOCK_K, k_hi, KH, KB, K)
-        a_c, a_s = _load_packed(a_codes, a_scales, arow, rmask, k0, k_hi, KH, KB, K)
-        a_lo, a_hi = _decode(a_c, a_s, USE_ASM)
-        w_lo, w_hi = _decode(w_c, w_s, USE_ASM)
-        acc3 += w_lo.to(tl.float32)[None, :, :] * a_lo.to(tl.float32)[:, None, :]
-        acc3 += w_hi.to(tl.float32)[None, :, :] * a_hi.to(tl.float32)[:, None, :]
+    b_per = ((NB + SPLIT_K - 1) // SPLIT_K + BLOCK_B - 1) // BLOCK_B * BLOCK_B
+    b_lo = pid_k * b_per
+    b_hi = min(b_lo + b_per, NB)
+    acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_B), dtype=tl.float32)
+    # register prefetch two steps deep (Triton pipelines only loads that feed tl.dot); issued
+    # before the activation's amax pass so the weight bytes are in flight meanwhile
+    w_c, w_s = _load_blocks(w_codes64, w_scales, wrow, cmask, b_lo, b_hi, NB, BLOCK_B)
+    w_c1, w_s1 = _load_blocks(w_codes64, w_scales, wrow, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
+    if FUSED:
+        if GIVEN_AMAX:
+            row_amax = tl.load(amax + rows * stride_amax, mask=rmask, other=0.0)
+        else:
+            row_amax = tl.zeros((M_PAD,), dtype=tl.float32)
+            for c0 in range(0, NB, AMAX_B):
+                xa = _load_x(x, stride_xm, arow, rmask, c0, NB, AMAX_B)
+                row_amax = tl.maximum(row_amax, tl.max(tl.max(tl.abs(xa), axis=2), axis=1))
+            if PER_TENSOR:
+                row_amax = tl.zeros((M_PAD,), dtype=tl.float32) + tl.max(row_amax, axis=0)
+        s_enc = triton_quant._s_enc_from_amax(row_amax)                     # [M_PAD]
+        a_g = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
+        x0 = _load_x(x, stride_xm, arow, rmask, b_lo, b_hi, BLOCK_B)
+        x1 = _load_x(x, stride_xm, arow, rmask, b_lo + BLOCK_B, b_hi, BLOCK_B)
+    else:
+        a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
+        a_c0, a_s0 = _load_blocks(a_codes64, a_scales, arow, rmask, b_lo, b_hi, NB, BLOCK_B)
+        a_c1, a_s1 = _load_blocks(a_codes64, a_scales, arow, rmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
+    for b0 in range(b_lo, b_hi, BLOCK_B):
+        w_c2, w_s2 = _load_blocks(w_codes64, w_scales, wrow, cmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
+        if FUSED:
+            x2 = _load_x(x, stride_xm, arow, rmask, b0 + 2 * BLOCK_B, b_hi, BLOCK_B)
+            a_c, a_s = _quantize_blocks(x0, s_enc)
+            x0, x1 = x1, x2
+        else:
+            a_c2, a_s2 = _load_blocks(a_codes64, a_scales, arow, rmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
+            a_c, a_s = a_c0, a_s0
+            a_c0, a_s0, a_c1, a_s1 = a_c1, a_s1, a_c2, a_s2
+        a0, a1, a2, a3, a4, a5, a6, a7 = _act_block_regs(a_c[:, None, :])
+        w0, w1, w2, w3, w4, w5, w6, w7 = _block_regs(w_c[None, :, :])
+        d = _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_ASM)
+        acc += d * ((w_s * 2.0)[None, :, :] * a_s[:, None, :])
         w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
-    acc = tl.trans(tl.sum(acc3, axis=2))                                     # [BLOCK_N, M_PAD]
-    _finish_tile(acc, acc, rows, rmask, arow, cols, cmask, 0, pid_n, ws, counters, out, a_gs, stride_a_gs,
+    tot = tl.trans(tl.sum(acc, axis=2))                                      # [BLOCK_N, M_PAD]
+    _finish_tile(tot, tot, a_g, rows, rmask, cols, cmask, 0, pid_n, pid_k, M * N, ws, counters, out,
                  w_gs, 0, stride_gs_n, None, bias, N, SPLIT_K, False, False, HAS_BIAS)
 
 
 @triton.jit
-def _finish_tile(acc, acc_u, rows, rmask, arow, cols, cmask, e, tile, ws, counters, out, a_gs, stride_a_gs,
-                 w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K: tl.constexpr, SWIGLU: tl.constexpr,
-                 ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Epilogue of an acc [BLOCK_N, BLOCK_M] tile: split-K partial sums meet in the FP32 workspace
-    (the last program of the tile, by atomic counter, finishes and re-zeroes it), then
-    ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight] [+ bias] is stored as out[rows, cols].
-    tile: index of this output tile among the launch's tiles (its split-K counter)."""
+def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plane, ws, counters, out,
+                 w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K: tl.constexpr,
+                 SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Epilogue of an acc [BLOCK_N, BLOCK_M] tile; a_g fp32 [BLOCK_M]: S_dec of the activation rows. Split-K: each program stores its partial sums in
+    its own plane ws[pid_k] (plane = R * N floats); the last program of the tile (atomic counter)
+    adds the SPLIT_K planes in index order, so the result is bitwise the same run to run, and
+    re-zeroes the counter. Then ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight] [+ bias] is
+    stored as out[rows, cols]. tile: index of this output tile among the launch's tiles."""
     omask = cmask[:, None] & rmask[None, :]
     o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
     if SPLIT_K > 1:
-        tl.atomic_add(ws + o_off, acc, mask=omask, sem="relaxed")
+        tl.store(ws + pid_k * plane + o_off, acc, mask=omask)
         tl.debug_barrier()
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         last = arrived == SPLIT_K - 1
         if last:
-            acc = tl.atomic_add(ws + o_off, tl.zeros_like(acc), mask=omask, sem="relaxed")
-            tl.store(ws + o_off, tl.zeros_like(acc), mask=omask)
+            acc = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(ws + s * plane + o_off, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(counters + tile, 0)
     else:
         last = True
     if last:
-        a_g = tl.load(a_gs + arow * stride_a_gs, mask=rmask, other=0.0)
         w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
         val = acc * a_g[None, :] * w_g[:, None]
         if SWIGLU:
@@ -301,11 +461,12 @@ _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed split-K buffers (fp32 accumulators, int32 tile counters), grown on demand and left
-    zeroed by every kernel launch. One stream at a time uses them."""
+    """Split-K buffers: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, overwritten by every
+    launch) and int32 tile counters (zeroed, and left zeroed by every launch), grown on demand
+    (sizes depend on shapes only). One stream at a time uses them."""
     ws, cnt = _WORKSPACE.get(device, (None, None))
     if ws is None or ws.numel() < n_acc or cnt.numel() < n_tiles:
-        ws = torch.zeros(max(n_acc, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        ws = torch.empty(max(n_acc, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
         cnt = torch.zeros(max(n_tiles, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
         _WORKSPACE[device] = (ws, cnt)
     return ws, cnt
@@ -371,7 +532,7 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
         n_tiles_m = tile_expert.numel()
     ws = cnt = None
     if cfg["SPLIT_K"] > 1:
-        ws, cnt = _workspace(out.device, r * n, n_tiles_m * n_tiles_n)
+        ws, cnt = _workspace(out.device, cfg["SPLIT_K"] * r * n, n_tiles_m * n_tiles_n)
     gse, gsn = _gs_strides(w.global_scale, w.codes.dim())
     grid = (n_tiles_m, n_tiles_n, cfg["SPLIT_K"])
     if r and n:
@@ -384,38 +545,72 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
     return out
 
 
-GEMV_MAX_M = 4
+GEMV_MAX_M = 4           # the dispatcher's gemv path; the kernel itself serves M <= GEMV_KERNEL_MAX_M
+GEMV_KERNEL_MAX_M = 16
+FUSED_MAX_M = 4          # up to this M the gemv kernel quantizes the activation in its own launch
+# (BLOCK_N, BLOCK_B) by padded M: per step a thread holds few (n, block) pairs for M <= 4 so the
+# activation decode is shared by 4 weight rows; fewer for larger M (registers: 128-170, sm_90)
+_GEMV_TILES = {1: (64, 16), 2: (64, 16), 4: (64, 16), 8: (32, 4), 16: (32, 8)}
 
 
-def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_k: int = 64, num_warps: int = 4,
-                min_programs: int = 528) -> dict:
-    """Launch configuration of the FP32-unit kernel (m <= GEMV_MAX_M): BLOCK_N 64 for one row, 32
-    for up to 4 (about 80-90 registers on sm_90), split-K to about 4 programs per SM."""
-    block_n = block_n or (64 if m <= 1 else 32)
+def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_b: int | None = None,
+                num_warps: int = 4, min_programs: int = 528) -> dict:
+    """Launch configuration of the decode kernel (m <= GEMV_KERNEL_MAX_M): BLOCK_N output columns
+    and BLOCK_B 16-element blocks per step, split-K until about `min_programs` programs (4 per SM
+    of an H200) keep enough weight bytes in flight, with at least 2 steps per program; the fused
+    amax pass reads 4096 / M_PAD elements per row per step."""
+    m_pad = max(1, triton.next_power_of_2(m))
+    tile_n, tile_b = _GEMV_TILES[m_pad]
+    block_n, block_b = block_n or tile_n, block_b or tile_b
+    nb = k // 16
     split_k = 1
-    while triton.cdiv(n, block_n) * split_k < min_programs and k // (block_k * split_k * 2) >= 2:
+    while triton.cdiv(n, block_n) * split_k < min_programs and nb // (block_b * split_k * 2) >= 2:
         split_k *= 2
-    return dict(M_PAD=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                num_warps=num_warps)
+    return dict(M_PAD=m_pad, BLOCK_N=block_n, BLOCK_B=block_b, SPLIT_K=split_k,
+                AMAX_B=min(triton.next_power_of_2(nb), max(block_b, 256 // m_pad)), num_warps=num_warps)
 
 
-def launch_w4a4_gemv(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+                     scaling: str = "per_token", amax: torch.Tensor | None = None, fused: bool | None = None,
                      config: dict | None = None, use_asm: bool = not _INTERPRET) -> torch.Tensor:
-    """out [M, N] = ((deq(a) @ deq(w).T) ...) for M <= GEMV_MAX_M on the FP32 units; a [M, K]
-    per-token or per-tensor NVFP4, w [N, K] (global_scale [] or [N])."""
+    """out [M, N] = linear of x [M, K] (float, unit column stride; M <= GEMV_KERNEL_MAX_M) with w [N, K]
+    NVFP4 (global_scale [] or [N], codes contiguous), exact packed-FP16 block dots.
+
+    scaling "per_token" / "per_tensor"; amax: override, fp32 [M] per token or [] per tensor.
+    fused: quantize x inside the GEMM launch (one launch) or with `triton_quant` first (two);
+    None: fused for M <= FUSED_MAX_M. use_asm: packed FP16 inline PTX (GPU default) or portable
+    fp32 arithmetic (same values; the CPU interpreter's path)."""
     m, n = out.shape
-    k = a.shape[-1]
-    if m > GEMV_MAX_M or w.codes.dim() != 2 or w.shape[-1] != k:
-        raise ValueError(f"gemv needs M <= {GEMV_MAX_M} and w [N, {k}], got out {tuple(out.shape)}, w {tuple(w.shape)}")
+    k = x.shape[-1]
+    if x.dim() != 2 or m != x.shape[0] or m > GEMV_KERNEL_MAX_M or w.codes.dim() != 2 or w.shape[-1] != k:
+        raise ValueError(f"gemv needs x [M <= {GEMV_KERNEL_MAX_M}, K], w [N, K], out [M, N]; got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, out {tuple(out.shape)}")
+    if not w.codes.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError("gemv reads w.codes as contiguous int64 blocks and x rows with unit column stride")
+    fused = m <= FUSED_MAX_M if fused is None else fused
     cfg = dict(config or gemv_config(m, n, k))
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     ws = cnt = None
     if cfg["SPLIT_K"] > 1:
-        ws, cnt = _workspace(out.device, m * n, triton.cdiv(n, cfg["BLOCK_N"]))
+        ws, cnt = _workspace(out.device, cfg["SPLIT_K"] * m * n, n_tiles)
+    if fused:
+        a_codes = a_scales = a_gs = None
+        stride_a_gs = 0
+        if amax is not None:
+            amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+    elif scaling == "per_token":
+        a = triton_quant.quantize_per_token(x, amax=amax)
+        a_codes, a_scales, a_gs, stride_a_gs = a.codes.view(torch.int64), a.block_scales, a.global_scale, 1
+    else:
+        a = triton_quant.quantize_per_tensor(x, amax=amax)
+        a_codes, a_scales, a_gs, stride_a_gs = a.codes.view(torch.int64), a.block_scales, a.global_scale, 0
     gs = w.global_scale
     if m and n:
-        _w4a4_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
-            a.codes, a.block_scales, a.global_scale, 0 if a.global_scale.dim() == 0 else a.global_scale.stride(0),
-            w.codes, w.block_scales, gs, 0 if gs.dim() == 0 else gs.stride(0), out, bias, ws, cnt, m, n, k,
+        _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
+            x, x.stride(0), amax, 0 if amax is None or amax.numel() == 1 and scaling == "per_tensor" else 1,
+            a_codes, a_scales, a_gs, stride_a_gs,
+            w.codes.view(torch.int64), w.block_scales, gs, 0 if gs.dim() == 0 else gs.stride(0), out, bias, ws, cnt,
+            m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None, PER_TENSOR=scaling == "per_tensor",
             HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
     return out
 
@@ -433,8 +628,9 @@ def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
     return out.reshape(w.shape)
 
 
-def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    a = triton_quant.quantize_per_token_exact_bf16(x2)
+def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 amax: torch.Tensor | None) -> torch.Tensor:
+    a = triton_quant.quantize_per_token_exact_bf16(x2, amax=amax)
     acc = torch.mm(a.values, dequantize_bf16(w).t(), out_dtype=torch.float32)
     m, n = acc.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -452,32 +648,36 @@ def linear_path(m: int, scaling: str) -> str:
     return "packed" if m <= PACKED_MAX_M or scaling == "per_tensor" else "bf16"
 
 
-def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token", path: str | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None, scaling: str = "per_token",
+           amax: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
     """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
-    in x.dtype. scaling "per_token" (default) or "per_tensor"; path forces "gemv" (M <= 4),
-    "packed" or "bf16"."""
+    in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
+    override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
+    path forces "gemv" (M <= GEMV_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
+    if scaling not in ("per_token", "per_tensor"):
+        raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
     x2 = x.reshape(-1, x.shape[-1])
+    if amax is not None and scaling == "per_token":
+        if amax.shape != x.shape[:-1]:
+            raise ValueError(f"amax: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
+        amax = amax.reshape(-1)
     path = path or linear_path(x2.shape[0], scaling)
-    PATH_COUNTS[path] += 1
     if path == "bf16":
         if scaling != "per_token":
             raise ValueError("the bf16 path implements per-token scaling only")
-        out = _linear_bf16(x2, w, bias, x.dtype)
-    elif path in ("packed", "gemv"):
-        if scaling == "per_token":
-            a = triton_quant.quantize_per_token(x2)
-        elif scaling == "per_tensor":
-            a = triton_quant.quantize_per_tensor(x2)
-        else:
-            raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
+        out = _linear_bf16(x2, w, bias, x.dtype, amax)
+    elif path == "gemv":
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        if path == "gemv":
-            launch_w4a4_gemv(a, w, out, bias=bias)
+        launch_w4a4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out, bias=bias, scaling=scaling, amax=amax)
+    elif path == "packed":
+        if scaling == "per_token":
+            a = triton_quant.quantize_per_token(x2, amax=amax)
         else:
-            launch_w4a4(a, w, out, bias=bias)
+            a = triton_quant.quantize_per_tensor(x2, amax=amax)
+        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        launch_w4a4(a, w, out, bias=bias)
     else:
         raise ValueError(f"path must be 'gemv', 'packed' or 'bf16', got {path!r}")
     return out.reshape(*x.shape[:-1], w.shape[0])

@@ -123,7 +123,7 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 
 @triton.jit
 def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-              ROWS: tl.constexpr, NB_PAD: tl.constexpr, GIVEN_AMAX: tl.constexpr, SWIZZLE: tl.constexpr,
+              ROWS: tl.constexpr, NB_PAD: tl.constexpr, AMAX_MODE: tl.constexpr, SWIZZLE: tl.constexpr,
               WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr):
     """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers)."""
     rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
@@ -134,12 +134,16 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
-    if GIVEN_AMAX:                                                           # one amax for the tensor
+    if AMAX_MODE == 1:                                                       # one amax for the tensor
         s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0))
         gs_mask = rows == 0
         gs_off = rows * 0
     else:
-        s_enc = _s_enc_from_amax(tl.max(bamax, axis=1))                      # [R]
+        if AMAX_MODE == 2:                                                   # given amax per row
+            row_amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+        else:                                                                # max|x| of the row
+            row_amax = tl.max(bamax, axis=1)
+        s_enc = _s_enc_from_amax(row_amax)                                   # [R]
         gs_mask = rmask
         gs_off = rows
     tl.store(gs_ptr + gs_off, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=gs_mask)
@@ -159,21 +163,22 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
 @triton.jit
 def _act_quant_kernel(
     x_ptr, stride_xm,                      # input [M, K] float, row stride
-    amax_ptr,                              # fp32 [1] amax of the whole tensor (GIVEN_AMAX), else unused
+    amax_ptr,                              # fp32 amax: [1] of the tensor (AMAX_MODE 1), [M] per row (2)
     codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M] (or [1])
     deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
     M, K, n_tiles,
     ROWS: tl.constexpr, NB_PAD: tl.constexpr,
-    GIVEN_AMAX: tl.constexpr, SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
+    AMAX_MODE: tl.constexpr,               # 0: max|x| per row, 1: given per tensor, 2: given per row
+    SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
     PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
 ):
     if PERSIST_STAGES == 0:
         _act_tile(tl.program_id(0), x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                  ROWS, NB_PAD, GIVEN_AMAX, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+                  ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
             _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                      ROWS, NB_PAD, GIVEN_AMAX, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ)
 
 
 @triton.jit
@@ -255,8 +260,18 @@ def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _row_amax(amax: torch.Tensor | None, x: torch.Tensor, name: str = "amax") -> torch.Tensor | None:
+    """A per-token amax override fp32 [...] (= x.shape[:-1]) as a contiguous fp32 [M] on x's device."""
+    if amax is None:
+        return None
+    if amax.shape != x.shape[:-1]:
+        raise ValueError(f"{name}: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
+    return amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+
+
 def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
-                config: dict | None = None):
+                config: dict | None = None, per_row_amax: bool = False):
+    """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax)."""
     cfg = config or ACT_CONFIG
     m, k = x2.shape
     nb_pad = triton.next_power_of_2(k // BLOCK)
@@ -268,23 +283,27 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
         scales = torch.zeros((mp, kp), dtype=torch.float8_e4m3fn, device=dev)
     else:
         scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
-    gs = torch.empty((m if amax is None else 1,), dtype=torch.float32, device=dev)
+    gs = torch.empty((m if amax is None or per_row_amax else 1,), dtype=torch.float32, device=dev)
     out_deq = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if deq else None
     n_tiles = triton.cdiv(m, rows)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
             x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
-            ROWS=rows, NB_PAD=nb_pad, GIVEN_AMAX=amax is not None, SWIZZLE=swizzle,
+            ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], num_warps=cfg["num_warps"])
     return out_codes, scales, gs, out_deq
 
 
-def quantize_per_token(x: torch.Tensor, *, config: dict | None = None) -> NVFP4Tensor:
+def quantize_per_token(x: torch.Tensor, *, amax: torch.Tensor | None = None,
+                       config: dict | None = None) -> NVFP4Tensor:
     """Per-token NVFP4 of x [..., K] (CUDA, float): codes [..., K/2], scales [..., K/16] (linear),
     global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`.
+    amax: optional fp32 [...] (= x.shape[:-1]) used instead of max|x| per row (the all-reduced
+    amax of a tensor-parallel row-parallel layer, `row_amax` in the reference).
     config: launch override (keys of ACT_CONFIG), for tuning."""
     x2 = _check_rows(x, "x")
-    codes, scales, gs, _ = _act_launch(x2, amax=None, swizzle=False, codes=True, deq=False, config=config)
+    codes, scales, gs, _ = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=True, deq=False,
+                                       config=config, per_row_amax=True)
     lead = x.shape[:-1]
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(lead))
 
@@ -298,13 +317,15 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
     return SwizzledNVFP4(codes, scales, gs)
 
 
-def quantize_per_token_exact_bf16(x: torch.Tensor) -> ExactBF16Rows:
+def quantize_per_token_exact_bf16(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> ExactBF16Rows:
     """Per-token quantization of x [M, K] written as exact BF16 values e2m1(q)*s plus S_dec [M]:
-    the operand of the large-M path (a BF16 tensor-core GEMM computes the same products)."""
+    the operand of the large-M path (a BF16 tensor-core GEMM computes the same products).
+    amax: optional fp32 [M] per-row amax override (as in `quantize_per_token`)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
-    _, _, gs, deq = _act_launch(x2, amax=None, swizzle=False, codes=False, deq=True)
+    _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
+                                per_row_amax=True)
     return ExactBF16Rows(deq, gs)
 
 
