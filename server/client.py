@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from . import push as push_pipeline
 from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, FRAMES_CONTENT_TYPE, BeginRequest, CommitResult,
                        LogprobsRequest, LogprobsResponse, TensorEntry, UpdateStatus, VersionInfo,
                        decode_logprobs_binary)
 from .settings import client_token
-from .wire import encode_frame, iter_entries, payload_nbytes
+from .wire import payload_nbytes
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -28,22 +29,25 @@ Tensors = Mapping[str, torch.Tensor]
 @dataclasses.dataclass(frozen=True)
 class PushResult:
     """A committed push: the server's CommitResult plus this side's timings (seconds).
-    prepare: reading + converting to the wire layout; send: streaming the bodies (incl. resumes);
-    commit: the commit call (stage + apply on the server)."""
+    prepare: reading + converting + staging to host (busy time of the producer thread; it overlaps
+    send); send: streaming the bodies, incl. resumes (wall); commit: the commit call (stage + apply
+    on the server); total: wall time of the whole push (manifest, begin, send, commit)."""
 
     commit: CommitResult
     payload_bytes: int
     prepare_seconds: float
     send_seconds: float
     commit_seconds: float
+    total_seconds: float
 
     @property
     def weight_version(self) -> int:
         return self.commit.weight_version
 
-    @property
-    def total_seconds(self) -> float:
-        return self.prepare_seconds + self.send_seconds + self.commit_seconds
+    def to_dict(self) -> dict:
+        """JSON-ready: the commit's fields (weight_version, tensors, bytes, ...) plus this side's."""
+        return {**self.commit.model_dump(), "payload_bytes": self.payload_bytes,
+                **{f"{k}_seconds": round(getattr(self, f"{k}_seconds"), 4) for k in ("prepare", "send", "commit", "total")}}
 
 
 class SidecarError(RuntimeError):
@@ -134,32 +138,36 @@ class SamplerClient:
 
     # ------------------------------------------------------------------ push
     def push(self, source: str | Path | Tensors | Iterable[tuple[str, torch.Tensor]], *, layout: str = "nvfp4",
-             version: int | None = None, config: dict | None = None, recipe: str = "1d",
-             progress: bool = True) -> PushResult:
-        """Push weights as one transaction and commit it.
+             version: int | None = None, config: dict | None = None, recipe: str = "1d", device: str | None = None,
+             bucket_bytes: int = push_pipeline.DEFAULT_BUCKET_BYTES, progress: bool = True) -> PushResult:
+        """Push weights as one transaction and commit it, streaming bucket by bucket.
 
-        source: a HF folder (safetensors), a checkpoint-named state dict, or (name, tensor) pairs.
-        layout "nvfp4": quantized linears are converted here with `converters.iter_buckets` (needs the
-          HF `config` dict for in-memory sources; a folder has its config.json) and sent as NVFP4 triplets.
+        source: a HF folder (safetensors), a checkpoint-named state dict, or (name, tensor) pairs
+          (tensors on a GPU are converted there; host memory holds about two buckets, server/push.py).
+        layout "nvfp4": quantized linears are converted here (`converters.iter_buckets`; needs the HF
+          `config` dict for in-memory sources, a folder has its config.json) and sent as NVFP4 triplets.
         layout "bf16": float tensors are sent as BF16 and the sampler quantizes them on arrival.
-        version: the target version (default: current + 1). Dropped bodies are resumed: after an
-        error the client asks for the missing tensors and re-sends only those (`retries` times).
+        device: where tensors are converted (default: where each lives). version: the target version
+        (default: current + 1). Dropped bodies are resumed: after an error the client asks for the
+        missing tensors and converts and re-sends only those (`retries` times).
         """
         t0 = time.perf_counter()
-        tensors = _collect(source, layout=layout, config=config, recipe=recipe)
-        t1 = time.perf_counter()
-        entries = {e.name: e for e in iter_entries(tensors)}
+        plan = push_pipeline.plan(source, layout=layout, config=config, recipe=recipe, device=device,
+                                  bucket_bytes=bucket_bytes)
         target = version if version is not None else self.version().weight_version + 1
-        st = self.begin(target, list(entries.values()))
-        total = sum(payload_nbytes(e) for e in entries.values())
+        st = self.begin(target, list(plan.entries.values()))
+        total = sum(payload_nbytes(e) for e in plan.entries.values())
         bar = _progress(total, progress)
+        prepare = 0.0
         try:
+            t1 = time.perf_counter()
             for attempt in range(self.retries + 1):
-                todo = [entries[n] for n in st.missing]
-                if not todo:
+                if not st.missing:
                     break
+                pipeline = push_pipeline.Pipeline(plan, only=set(st.missing))
                 try:
-                    st = self.send(st.update_id, _frames(todo, tensors, bar))
+                    with pipeline as buckets:
+                        st = self.send(st.update_id, _bucket_frames(buckets, plan.entries, bar))
                 except (httpx.TransportError, SidecarError) as e:
                     if isinstance(e, SidecarError) and e.status < 500 and e.status not in (408, 409):
                         raise
@@ -168,11 +176,14 @@ class SamplerClient:
                     time.sleep(min(2 ** attempt * 0.2, 5))
                     st = self.status(st.update_id)
                     bar.n = st.bytes_received
+                finally:
+                    prepare += pipeline.prepare_seconds
             if st.missing:
                 raise SidecarError(409, f"{len(st.missing)} tensor(s) still missing after {self.retries} retries")
             t2 = time.perf_counter()
             commit = self.commit(st.update_id)
-            return PushResult(commit, total, t1 - t0, t2 - t1, time.perf_counter() - t2)
+            t3 = time.perf_counter()
+            return PushResult(commit, total, prepare, t2 - t1, t3 - t2, t3 - t0)
         except BaseException:
             if self.status(st.update_id).state == "open":
                 self.abort(st.update_id)
@@ -203,41 +214,16 @@ def _bytes(body: Iterable[bytes | memoryview], *, min_chunk: int = 1 << 20) -> I
         yield b"".join(pending)
 
 
-def _frames(entries: list[TensorEntry], tensors: Tensors, bar) -> Iterator[bytes | memoryview]:
-    for e in entries:
-        for buf in encode_frame(e, tensors):
+def _bucket_frames(buckets: Iterable[Tensors], entries: Mapping[str, TensorEntry], bar) -> Iterator[bytes | memoryview]:
+    """The body of a streamed push: each host bucket's frames, coalesced per bucket (`_bytes` copies
+    what it joins and passes large payloads through), so nothing refers to a bucket once the next is
+    requested: its pinned slot may then be refilled."""
+    for bucket in buckets:
+        for buf in _bytes(push_pipeline.frames(bucket, entries)):
             yield buf
-            if isinstance(buf, memoryview):          # payload (the bar counts payload bytes)
-                bar.update(buf.nbytes)
+            bar.update(len(buf) if isinstance(buf, bytes) else buf.nbytes)
 
 
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, desc="push", disable=not enabled)
-
-
-def _collect(source, *, layout: str, config: dict | None, recipe: str) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors to send under `layout` (NVFP4 conversion via the converter)."""
-    if layout not in ("nvfp4", "bf16"):
-        raise ValueError(f"layout must be 'nvfp4' or 'bf16', got {layout!r}")
-    from converters.convert import ConvertOptions, iter_buckets
-    from converters.sources import SafetensorsFolder, StateDictSource
-
-    if isinstance(source, (str, Path)):
-        src = SafetensorsFolder(source)
-    else:
-        if config is None:
-            raise ValueError("pushing an in-memory state dict needs the model's HF config dict (config=...)")
-        src = StateDictSource(source if isinstance(source, Mapping) else dict(source), config=config)
-    if layout == "nvfp4":
-        out = {}
-        for bucket in iter_buckets(src, ConvertOptions(recipe=recipe, report=False)):
-            out |= bucket
-        return out
-    out = {}
-    for name, t in src.tensors():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name}: layout bf16 needs float tensors, got {type(t).__name__} "
-                             f"{getattr(t, 'dtype', '')}; push NVFP4 sources with layout nvfp4")
-        out[name] = t.to(torch.bfloat16)
-    return out
