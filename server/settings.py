@@ -26,6 +26,7 @@ class Settings:
     data_port: the data-plane port for update bodies (0: a free one, announced in UpdateStatus;
     None: off, bodies go through the main port only). max_frame_bytes: largest accepted frame payload. update_idle_timeout_s: an open update with no
     activity for this long is aborted when another begins. logprob_max_batch_tokens: batching limit.
+    device: where the embedded engine runs ("auto": cuda when available, else cpu).
     """
 
     model: str | None = None
@@ -41,8 +42,11 @@ class Settings:
     logprob_max_batch_tokens: int = 16384
     engine_start_timeout_s: float = 600.0
     vllm_args: tuple[str, ...] = ()
+    device: str = "auto"
 
     def __post_init__(self):
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if _cuda_available() else "cpu")
         if self.engine == "auto":
             object.__setattr__(self, "engine", "vllm" if importlib.util.find_spec("vllm") else "embedded")
         if self.engine not in ("vllm", "embedded", "remote"):
@@ -91,6 +95,12 @@ def _coerce(type_name: str, raw: str):
     if "float" in type_name:
         return float(raw)
     return raw
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _default_staging() -> Path:

@@ -9,6 +9,7 @@ def make_engine(settings: Settings) -> Engine:
     """The adapter named by settings.engine; engine packages are imported only here, lazily."""
     if settings.engine == "embedded":
         from .embedded import EmbeddedEngine
-        return EmbeddedEngine(settings.model, max_batch_tokens=settings.logprob_max_batch_tokens)
+        return EmbeddedEngine(settings.model, max_batch_tokens=settings.logprob_max_batch_tokens,
+                              device=settings.device)
     from .vllm import VLLMEngine
     return VLLMEngine(settings)

@@ -75,7 +75,9 @@ class _Stop:
 class EmbeddedEngine(Engine):
     kind = "embedded"
 
-    def __init__(self, model_dir: str | Path, *, max_batch_tokens: int = 16384):
+    def __init__(self, model_dir: str | Path, *, max_batch_tokens: int = 16384, device: str = "cpu"):
+        """device: where the model runs ("cuda" uses the Triton kernels; IPC buckets stay on it)."""
+        self.device = torch.device(device)
         self.model_dir = Path(model_dir)
         self.model_id = str(self.model_dir)
         self.max_batch_tokens = max_batch_tokens
@@ -102,7 +104,7 @@ class EmbeddedEngine(Engine):
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval().to(self.device)
         self.targets = _reload_targets(self.model, quantize_model(self.model, self.config))
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
@@ -174,12 +176,13 @@ class EmbeddedEngine(Engine):
         for i, (s, _, _) in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
-        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = self.model.get_decoder()(input_ids=ids.to(self.device),
+                                          attention_mask=mask.to(self.device)).last_hidden_state
         head = self.model.get_output_embeddings()
         results = []
         for i, (s, p, k) in enumerate(seqs):
             logp = torch.log_softmax(head(hidden[i, p - 1:len(s) - 1]).float(), dim=-1)   # [T, V]
-            target = torch.tensor(s[p:])
+            target = torch.tensor(s[p:], device=self.device)
             res = SequenceLogprobs(logprobs=logp.gather(1, target[:, None])[:, 0].tolist())
             if k:
                 top = logp.topk(k, dim=-1)
@@ -275,7 +278,8 @@ class EmbeddedEngine(Engine):
             torch.manual_seed(int(body["seed"]))
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         out = self.model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=self.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.device),
             max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or None,
             top_p=body.get("top_p") or None, top_k=None, output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, streamer=streamer,
