@@ -128,20 +128,24 @@ def teacher_forced(model: torch.nn.Module, tokens: list[int]) -> Trace:
 
 
 @torch.no_grad()
-def decode(model: torch.nn.Module, tokens: list[int]) -> Trace:
-    """The sampler side: the same tokens fed one at a time through the KV cache (batch 1)."""
+def decode(model: torch.nn.Module, tokens: list[int], *, prefill: int = 1) -> Trace:
+    """The sampler side (batch 1): tokens[:prefill] (the prompt) in one forward, then every further
+    token alone through the KV cache, as a sampler decodes its response."""
     from transformers import DynamicCache
 
+    if not 1 <= prefill <= len(tokens):
+        raise ValueError(f"prefill must be in [1, {len(tokens)}], got {prefill}")
     cache = DynamicCache()
     rows = []
     with record(model) as rec:
-        for t in tokens[:-1]:
+        out = model(input_ids=torch.tensor([tokens[:prefill]]), past_key_values=cache, use_cache=True)
+        cache, rows = out.past_key_values, list(out.logits[0])
+        for t in tokens[prefill:]:
             out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             rows.append(out.logits[0, -1])
-        model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
     tr = rec.trace()
-    tr.logprobs = _token_logprobs(torch.stack(rows), torch.tensor(tokens[1:]))
+    tr.logprobs = _token_logprobs(torch.stack(rows[:-1]), torch.tensor(tokens[1:]))
     return tr
 
 

@@ -18,12 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from diagnostics.report import Params, mismatch_report
+
 from .dataplane import DataPlane
 from .engines import make_engine
 from .engines.base import Engine, EngineError
 from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, WEIGHT_VERSION_HEADER, BeginRequest, CommitResult,
-                       IpcBucket, LogprobsRequest, LogprobsResponse, UpdateStatus, VersionInfo,
-                       encode_logprobs_binary)
+                       DiagnosticsRequest, DiagnosticsResponse, IpcBucket, LogprobsRequest, LogprobsResponse,
+                       UpdateStatus, VersionInfo, encode_logprobs_binary)
 from .settings import Settings, is_loopback
 from .transactions import RWLock, UpdateError, UpdateManager
 
@@ -172,6 +174,17 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
             return Response(encode_logprobs_binary(resp, top_k=req.top_k), media_type=BINARY_LOGPROBS_CONTENT_TYPE,
                             headers=headers)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+    # ------------------------------------------------------------------ mismatch diagnostics
+    @app.post("/v1/diagnostics", response_model=DiagnosticsResponse, response_model_exclude_none=True)
+    async def diagnostics(req: DiagnosticsRequest):
+        """Learner-vs-sampler metrics and TIS / IcePop / OPSM / TRIAGE weights (no engine involved)."""
+        try:
+            return await asyncio.to_thread(mismatch_report, req.logp_sampler, req.logp_learner,
+                                           advantages=req.advantages, masks=req.masks,
+                                           params=Params(**req.params.model_dump()))
+        except ValueError as e:
+            return JSONResponse({"detail": str(e)}, status_code=422)
 
     # ------------------------------------------------------------------ OpenAI-compatible
     async def openai(route: str, body: dict) -> Response:

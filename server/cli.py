@@ -6,6 +6,7 @@
     logprobs --tokens 1,2,3 --prompt-len 2 recompute response-token log-probs
     version                                the serving weight version
     demo                                   the whole loop on SmolLM2-135M (`make demo`)
+    diagnose --input F | --url U --model M learner-vs-sampler report: metrics, tails, weights, plots
     convert SRC DST                        learner checkpoint -> sampler checkpoint (converters)
 """
 from __future__ import annotations
@@ -131,10 +132,12 @@ def add_parsers(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default sys.argv[1:]) and run the chosen subcommand."""
     from converters import cli as convert_cli
+    from diagnostics import cli as diagnose_cli
 
     parser = argparse.ArgumentParser(prog="nvfp4-sampler", description="NVFP4 sampler tools")
     sub = parser.add_subparsers(dest="command", required=True)
     convert_cli.add_parser(sub)
+    diagnose_cli.add_parser(sub)
     add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
