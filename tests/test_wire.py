@@ -140,3 +140,44 @@ def test_binary_logprobs_round_trip():
     back = decode_logprobs_binary(encode_logprobs_binary(resp, top_k=2), model="m")
     assert back == resp
     assert struct.unpack_from("<4s", encode_logprobs_binary(resp, top_k=2))[0] == b"NVLP"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), reads=st.lists(st.integers(1, 1 << 12), min_size=1, max_size=40))
+def test_buffered_reads_land_in_the_slots(seed, reads):
+    """The BufferedProtocol form (what the data-plane socket does): bytes written into get_buffer()
+    in reads of any size; payloads end up in the caller's slots, not in parser buffers."""
+    tensors = _state(seed, 3, 3)
+    data = memoryview(_body(tensors))
+    slots = {}
+
+    def slot(entry, nbytes):
+        slots[entry.name] = torch.empty(nbytes, dtype=torch.uint8)
+        return slots[entry.name]
+
+    parser, got, pos, i = FrameParser(max_frame_bytes=1 << 20, slot=slot), {}, 0, 0
+    while pos < len(data):
+        buf = parser.get_buffer()
+        n = min(len(buf), reads[i % len(reads)], len(data) - pos)
+        buf[:n] = data[pos:pos + n]
+        pos, i = pos + n, i + 1
+        for frame in parser.advance(n):
+            assert all(t.untyped_storage().data_ptr() == slots[frame.entry.name].untyped_storage().data_ptr()
+                       for t in frame.tensors.values())
+            got |= frame.tensors
+    parser.finish()
+    assert got.keys() == tensors.keys() and all(_same(got[k], tensors[k]) for k in tensors)
+
+
+def test_frames_before_a_bad_frame_are_yielded_first():
+    """One chunk holding good frames and then a corrupt one: the good frames come out before the
+    error (the issue-14 defect: they were lost with the chunk)."""
+    tensors = _state(3, 4, 2)
+    frames = [b"".join(bytes(b) for b in encode({k: v})) for k, v in tensors.items() if k.startswith("dense")]
+    bad = bytearray(frames[-1])
+    bad[-1] ^= 1
+    parser, seen = FrameParser(max_frame_bytes=1 << 20), []
+    with pytest.raises(WireError, match="checksum mismatch"):
+        for frame in parser.feed(b"".join(frames[:-1]) + bytes(bad)):
+            seen.append(frame.entry.name)
+    assert len(seen) == len(frames) - 1
