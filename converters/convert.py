@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from kernels import dispatch, reference
 from kernels.format import BLOCK, NVFP4Tensor
-from sampler_plugin.config import SamplerConfig
+from sampler_format import SamplerConfig
 
 from . import name_map, schema
 from .sources import SafetensorsFolder, SourceValue, StateDictSource, TENVFP4Weight, value_nbytes, value_spec
@@ -161,7 +161,7 @@ class _Converter:
 
     def quantized(self, name: str) -> bool:
         """True if sampler tensor `name` is written as an NVFP4 triplet under these options."""
-        return self.options.quantize and schema.is_quantized(name, self.config)
+        return self.options.quantize and schema.is_nvfp4_weight(name, self.config)
 
     def outputs(self) -> list[tuple[str, tuple[int, ...], torch.dtype | None]]:
         """(sampler name, logical shape, dtype) of every output, dtype None for NVFP4 triplets

@@ -1,12 +1,7 @@
-"""The sampler checkpoint layout (docs/ARCHITECTURE.md, "Sampler checkpoint"): names, dtypes, shapes,
-config.json, file names. The converter writes it and the plugins read it.
-
-A quantized linear `P` (unfused HF module name, e.g. `model.layers.0.self_attn.q_proj` or
-`model.layers.0.mlp.experts.3.gate_proj`) with a weight [N, K] is stored as
-  P.weight          uint8          [N, K/2]   two E2M1 codes per byte, even element in the low nibble
-  P.weight_scale    float8_e4m3fn  [N, K/16]  linear layout (row n, block k)
-  P.weight_scale_2  float32        []         decode direction (amax / 2688), per checkpoint tensor
-Every other tensor keeps its source name, dtype and shape.
+"""The sampler checkpoint layout on disk (docs/ARCHITECTURE.md, "Sampler checkpoint"): file names,
+config.json, expected shapes per architecture, TP split dims. The NVFP4 triplet (names, dtypes,
+shapes) and the rule for which tensors are NVFP4 (`is_nvfp4_weight`) are the format contract's
+(`sampler_format`), re-exported here for the converter.
 """
 from __future__ import annotations
 
@@ -16,9 +11,8 @@ from typing import Any
 
 import torch
 
-from kernels.format import BLOCK
-from sampler_plugin.config import FORMAT_VERSION, SamplerConfig
-from sampler_plugin.policy import should_quantize
+from sampler_format import (BLOCK, COLUMN_PARALLEL, FORMAT_VERSION, LINEARS, ROW_PARALLEL, SCALE, SCALE_2,  # noqa: F401
+                            TRIPLET, TRIPLET_DTYPES, WEIGHT, SamplerConfig, is_nvfp4_weight, triplet_shapes)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,10 +20,6 @@ SHARD_FILE = "model-{index:05d}-of-{count:05d}.safetensors"
 RANK_DIR = "rank-{rank:02d}"                  # DST/rank-00 ... with --tp N (each a complete folder)
 SHARD_METADATA = {"format": "pt", "nvfp4_sampler_format_version": str(FORMAT_VERSION)}
 
-WEIGHT, SCALE, SCALE_2 = "weight", "weight_scale", "weight_scale_2"
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # split N across TP ranks
-ROW_PARALLEL = ("o_proj", "down_proj")                                    # split K across TP ranks
-LINEARS = COLUMN_PARALLEL + ROW_PARALLEL                                  # the linears NVFP4 applies to
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -57,19 +47,13 @@ def linear_leaf(name: str) -> str | None:
     return module if module in LINEARS else None
 
 
-def is_quantized(name: str, config: SamplerConfig) -> bool:
-    """True if source tensor `name` is the weight of a linear that the sampler holds in NVFP4."""
-    prefix, leaf = split_name(name)
-    return leaf == WEIGHT and linear_leaf(name) is not None and should_quantize(prefix, config)
-
-
 def quantized_specs(prefix: str, n: int, k: int) -> dict[str, TensorSpec]:
     """The three checkpoint tensors of quantized linear `prefix` with a logical weight [n, k]."""
-    if k % BLOCK:
-        raise ValueError(f"{prefix}.{WEIGHT}: K={k} is not a multiple of {BLOCK}; NVFP4 needs 16-element blocks")
-    return {f"{prefix}.{WEIGHT}": TensorSpec(torch.uint8, (n, k // 2)),
-            f"{prefix}.{SCALE}": TensorSpec(torch.float8_e4m3fn, (n, k // BLOCK)),
-            f"{prefix}.{SCALE_2}": TensorSpec(torch.float32, ())}
+    try:
+        shapes = triplet_shapes(n, k)
+    except ValueError as e:
+        raise ValueError(f"{prefix}.{WEIGHT}: {e}") from e
+    return {f"{prefix}.{kind}": TensorSpec(getattr(torch, TRIPLET_DTYPES[kind]), shapes[kind]) for kind in TRIPLET}
 
 
 def tp_dim(name: str) -> int | None:

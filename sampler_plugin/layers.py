@@ -27,11 +27,12 @@ import torch.distributed._functional_collectives as funcol
 
 from kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
 from kernels.format import BLOCK, NVFP4Tensor
+from sampler_format import TRIPLET, TRIPLET_DTYPES, triplet_shapes
 
 from .config import SamplerConfig
 
-KINDS = ("weight", "weight_scale", "weight_scale_2")
-_NVFP4_DTYPES = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn, "weight_scale_2": torch.float32}
+KINDS = TRIPLET                                     # weight, weight_scale, weight_scale_2 (sampler_format)
+_NVFP4_DTYPES = {kind: getattr(torch, TRIPLET_DTYPES[kind]) for kind in TRIPLET}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 logger = logging.getLogger("nvfp4_sampler")
 
@@ -171,8 +172,7 @@ def create_weight(rows: int, k: int, *, experts: int | None = None, global_per_r
 
 
 def _expected_shape(shard: Shard, kind: str) -> tuple[int, ...]:
-    n, k = shard.shape
-    return {"weight": (n, k // 2), "weight_scale": (n, k // BLOCK), "weight_scale_2": ()}[kind]
+    return triplet_shapes(*shard.shape)[kind]
 
 
 def validate(shard: Shard, kind: str, tensor: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ import torch
 import xxhash
 from pydantic import ValidationError
 
+from sampler_format import SCALE, SCALE_2, TRIPLET_DTYPES, WEIGHT, triplet_names, triplet_shapes
+
 from .protocol import TensorEntry
 
 MAGIC = b"NVF2"
@@ -61,11 +63,9 @@ def parts(entry: TensorEntry) -> list[Part]:
     float32 [], P.weight uint8 [N, K/2], P.weight_scale float8_e4m3fn [N, K/16])."""
     if entry.layout == "dense":
         return [Part(entry.name, entry.dtype, tuple(entry.shape))]
-    n, k = entry.shape
-    p = entry.name.removesuffix(".weight")
-    return [Part(f"{p}.weight_scale_2", "float32", ()),          # first: keeps the float32 aligned
-            Part(f"{p}.weight", "uint8", (n, k // 2)),
-            Part(f"{p}.weight_scale", "float8_e4m3fn", (n, k // 16))]
+    names, shapes = triplet_names(entry.name.removesuffix(f".{WEIGHT}")), triplet_shapes(*entry.shape)
+    return [Part(names[kind], TRIPLET_DTYPES[kind], shapes[kind])       # weight_scale_2 first: keeps it aligned
+            for kind in (SCALE_2, WEIGHT, SCALE)]
 
 
 def payload_nbytes(entry: TensorEntry) -> int:

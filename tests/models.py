@@ -137,8 +137,7 @@ def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config
     from safetensors.torch import load_file, save_file
 
     from kernels.reference import quantize_weight
-    from sampler_plugin.config import SamplerConfig
-    from sampler_plugin.policy import should_quantize
+    from sampler_format import SamplerConfig, is_nvfp4_weight
 
     src, dst = Path(src), Path(dst)
     config = dataclasses.replace(config or SamplerConfig(), prequantized=True)
@@ -147,7 +146,7 @@ def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config
     for f in sorted(src.glob("*.safetensors")):
         for name, t in load_file(f).items():
             prefix = name.removesuffix(".weight")
-            if name.endswith(".weight") and t.dim() == 2 and should_quantize(prefix, config):
+            if is_nvfp4_weight(name, config):
                 q = quantize_weight(t, recipe=config.weight_recipe)
                 out.update({name: q.codes, f"{prefix}.weight_scale": q.block_scales,
                             f"{prefix}.weight_scale_2": q.global_scale})

@@ -16,7 +16,7 @@ from converters.convert import ConvertOptions, convert, iter_buckets, te_convers
 from converters.sources import SafetensorsFolder, StateDictSource, TENVFP4Weight
 from kernels import reference
 from kernels.format import NVFP4Tensor
-from sampler_plugin.config import SamplerConfig
+from sampler_format import SamplerConfig
 from tests.models import tiny_qwen3, tiny_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def _learner(weights: dict[str, torch.Tensor], recipe: str, *, swizzled: bool = 
     """What a TE learner holds: NVFP4 linears quantized with `recipe` (per-tensor amax), the rest BF16."""
     out = {}
     for name, w in weights.items():
-        if schema.is_quantized(name, SamplerConfig()):
+        if schema.is_nvfp4_weight(name, SamplerConfig()):
             out[name] = _te_layout(reference.quantize_weight(w, recipe=recipe), w.abs().float().amax(), swizzled=swizzled)
         else:
             out[name] = w
@@ -171,7 +171,7 @@ def test_layout_and_config_round_trip(tmp_path, moe_folder):
         assert f.metadata()["nvfp4_sampler_format_version"] == "1"
     out, src = _read(out_dir), SafetensorsFolder(moe_folder)
     for name, shape, dtype in src.specs():
-        if schema.is_quantized(name, options.sampler_config()):
+        if schema.is_nvfp4_weight(name, options.sampler_config()):
             prefix = name.removesuffix(".weight")
             for n, spec in schema.quantized_specs(prefix, *shape).items():
                 assert (out[n].dtype, tuple(out[n].shape)) == (spec.dtype, spec.shape), n

@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.policy import should_quantize
+from sampler_format import BLOCK, SCALE, SCALE_2, WEIGHT, SamplerConfig, is_nvfp4_weight
 
 from ..protocol import DENSE_DTYPES, LogprobsRequest, SequenceLogprobs, TensorEntry
 
-_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+_SCALE_SUFFIXES = (f".{SCALE}", f".{SCALE_2}", ".input_scale")
 
 
 class EngineError(RuntimeError):
@@ -73,12 +72,10 @@ def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     for name, (shape, dtype) in shapes.items():
         if name.endswith(_SCALE_SUFFIXES):
             continue
-        module = name.removesuffix(".weight")
-        if dtype == "U8" and name.endswith(".weight"):                   # pre-quantized triplet
+        if dtype == "U8" and name.endswith(f".{WEIGHT}"):               # pre-quantized triplet
             specs[name] = TensorSpec(name, (shape[0], shape[1] * 2), True)
         else:
-            quantized = (name.endswith(".weight") and len(shape) == 2 and shape[1] % 16 == 0
-                         and should_quantize(module, config))
+            quantized = is_nvfp4_weight(name, config) and len(shape) == 2 and shape[1] % BLOCK == 0
             specs[name] = TensorSpec(name, shape, quantized)
     return specs
 
