@@ -218,6 +218,16 @@ add.f32 $0, fl, fu;
 }""")
 
 
+# FP16x2 e2m1 * 2^-14 -> e2m1 * 2^13: times 2^14 (exact, subnormals included) then 2^13 (<= 49152)
+_TIMES_2POW27 = tl.constexpr("""{
+.reg .b32 c;
+mov.b32 c, 0x74007400;
+mul.rn.f16x2 $0, $1, c;
+mov.b32 c, 0x70007000;
+mul.rn.f16x2 $0, $0, c;
+}""")
+
+
 @triton.jit
 def _word_regs(p):
     """int32 word of 8 codes (element j in bits 4j..4j+3) -> 4 int32 FP16x2 registers holding
@@ -255,11 +265,20 @@ def _times_2pow27(r):
 
 
 @triton.jit
-def _act_block_regs(blk):
+def _act_reg(r, USE_ASM: tl.constexpr):
+    """FP16x2 register of e2m1 * 2^-14 -> e2m1 * 2^13: two packed FP16 multiplies (GPU) or through fp32."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_TIMES_2POW27, "=r,r", [r], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return _times_2pow27(r)
+
+
+@triton.jit
+def _act_block_regs(blk, USE_ASM: tl.constexpr):
     """int64 activation blocks -> 8 FP16x2 registers of e2m1 * 2^13 (the pairing of `_block_regs`)."""
     r0, r1, r2, r3, r4, r5, r6, r7 = _block_regs(blk)
-    return (_times_2pow27(r0), _times_2pow27(r1), _times_2pow27(r2), _times_2pow27(r3),
-            _times_2pow27(r4), _times_2pow27(r5), _times_2pow27(r6), _times_2pow27(r7))
+    return (_act_reg(r0, USE_ASM), _act_reg(r1, USE_ASM), _act_reg(r2, USE_ASM), _act_reg(r3, USE_ASM),
+            _act_reg(r4, USE_ASM), _act_reg(r5, USE_ASM), _act_reg(r6, USE_ASM), _act_reg(r7, USE_ASM))
 
 
 @triton.jit
@@ -379,7 +398,7 @@ def _w4a4_gemv_kernel(
             a_c2, a_s2 = _load_blocks(a_codes64, a_scales, arow, rmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
             a_c, a_s = a_c0, a_s0
             a_c0, a_s0, a_c1, a_s1 = a_c1, a_s1, a_c2, a_s2
-        a0, a1, a2, a3, a4, a5, a6, a7 = _act_block_regs(a_c[:, None, :])
+        a0, a1, a2, a3, a4, a5, a6, a7 = _act_block_regs(a_c[:, None, :], USE_ASM)
         w0, w1, w2, w3, w4, w5, w6, w7 = _block_regs(w_c[None, :, :])
         d = _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_ASM)
         acc += d * ((w_s * 2.0)[None, :, :] * a_s[:, None, :])
