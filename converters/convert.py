@@ -214,16 +214,47 @@ class _Converter:
             self.summary.tensors_in += 1
             self.summary.bytes_in += value_nbytes(value)
             self._track(value_nbytes(value))
-            for m in name_map.expand(src_name, shape, tied_embeddings=self.tied):
+            maps = name_map.expand(src_name, shape, tied_embeddings=self.tied)
+            for m in maps:
+                self._check(m.name, _mapped_shape(shape, m), dtype)
+            fused = None
+            if len(maps) > 1 and (only is None or all(m.name in only for m in maps)):
+                fused = self._convert_fused(src_name, value, maps)
+            for i, m in enumerate(maps):
                 if only is not None and m.name not in only:
                     continue
-                part = value if m.index is None else value[m.index]
-                self._check(m.name, _mapped_shape(shape, m), dtype)
-                group = self._convert(m.name, part)
+                group = self._convert(m.name, value if m.index is None else value[m.index]) if fused is None \
+                    else fused[i]
                 self.summary.tensors_out += len(group)
                 yield group
             self._track(-value_nbytes(value))
-            value = part = None          # release the source tensor before the next one is read
+            value = fused = group = None          # release the source tensor before the next one is read
+
+    def _convert_fused(self, src_name: str, value: SourceValue,
+                       maps: list[name_map.Mapped]) -> list[dict[str, torch.Tensor]] | None:
+        """The groups of a fused expert tensor [E, parts * R, C] quantized in ONE call as stacked
+        weights [E * parts, R, C]: one second-level scale per expert part, bit for bit what quantizing
+        each part alone gives (one kernel launch instead of E * parts on a GPU). None if some part
+        is not quantized or the value is not a float tensor (the parts are then converted one by one)."""
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()
+                and all(self.quantized(m.name) for m in maps)):
+            return None
+        rows = maps[0].index[1]
+        w = value if self.device is None else value.to(self.device)
+        w = w.reshape(-1, rows.stop - rows.start, w.shape[-1])                  # [E * parts, R, C]
+        try:
+            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, backend=self.options.backend)
+        except ValueError as e:
+            raise ValueError(f"{src_name}: {str(e).removeprefix('weight: ')}") from e
+        groups = []
+        for i, m in enumerate(maps):
+            qi = NVFP4Tensor(q.codes[i], q.block_scales[i], q.global_scale[i])
+            if self.options.report:
+                self.summary.reports.append(self._quant_report(m.name, w[i], qi))
+            prefix, _ = schema.split_name(m.name)
+            groups.append({f"{prefix}.{schema.WEIGHT}": qi.codes, f"{prefix}.{schema.SCALE}": qi.block_scales,
+                           f"{prefix}.{schema.SCALE_2}": qi.global_scale})
+        return groups
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
         if not self.quantized(name):                 # (the weight quantizers check NaN/Inf themselves)
