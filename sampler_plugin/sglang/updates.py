@@ -59,7 +59,7 @@ class _DryRun:
     against their shard (`layers.validate`); other parameters run their own loader into scratch memory."""
 
     def __init__(self, model: torch.nn.Module):
-        self.params = list(dict(model.named_parameters()).values())
+        self.params = list(model.parameters())
         self.current: str | None = None                   # checkpoint name being mapped by the model
         self.reached: set[str] = set()
         self.groups: dict[str, dict[str, torch.Tensor]] = {}
