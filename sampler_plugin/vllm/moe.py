@@ -16,7 +16,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 
 from .. import layers
 from ..config import SamplerConfig
-from .layerwise import abort_on_error, complete_load
+from .layerwise import abort_on_error, complete_load, records
 
 
 @abort_on_error
@@ -26,9 +26,10 @@ def _load(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torc
     its shard. On meta parameters (vLLM's layerwise-reload counting pass) shape-only, and not recorded."""
     method = layer.quant_method
     shard = method.expert_shards(layer, expert_id)[shard_id]
-    storage = method.storage(layer)["w2" if shard_id == "w2" else "w13"]
+    stem = "w2" if shard_id == "w2" else "w13"
+    storage = method.storage(layer)[stem]
     layers.write(storage, shard, param.nvfp4_kind, loaded_weight, config=method.config)
-    if not storage.codes.is_meta:
+    if records(layer, stem, storage):
         layer.nvfp4_tracker.record(shard, param.nvfp4_kind, loaded_weight)
     return True if return_success else None
 
