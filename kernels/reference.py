@@ -265,15 +265,24 @@ def dequantize_unscaled(t: NVFP4Tensor) -> torch.Tensor:
 
 
 def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, accumulate: str = "fp32") -> torch.Tensor:
     """out [M, N] = (deq(a) @ deq(w).T): a [M, K] (global_scale [M] or []), w [N, K] ([N] or []).
 
     The block products e2m1*e4m3 are exact (BF16-representable); accumulation is FP32 and the
     second-level scales are applied per row (a) and per column (w) in the epilogue.
+    accumulate "fp64" (strict mode): the sum is taken in float64, where it is exact unless a row
+    spans more than 2^53 between its smallest and largest product, then rounded once to fp32: a
+    result that does not depend on the summation order, so a row gives the same bits alone or in
+    any batch (decode and teacher-forced agree). "fp32" (default): the BLAS order, M-dependent.
     """
     if a.codes.dim() != 2 or w.codes.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"nvfp4_gemm expects a [M, K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}")
-    acc = dequantize_unscaled(a) @ dequantize_unscaled(w).T                    # [M, N] fp32
+    if accumulate == "fp64":
+        acc = (dequantize_unscaled(a).double() @ dequantize_unscaled(w).double().T).float()
+    elif accumulate == "fp32":
+        acc = dequantize_unscaled(a) @ dequantize_unscaled(w).T                # [M, N] fp32
+    else:
+        raise ValueError(f"accumulate must be 'fp32' or 'fp64', got {accumulate!r}")
     out = acc * a.row_global_scale()[:, None] * w.row_global_scale()[None, :]
     if bias is not None:
         out = out + bias.float()
@@ -281,20 +290,22 @@ def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token", amax: torch.Tensor | None = None) -> torch.Tensor:
+           scaling: str = "per_token", amax: torch.Tensor | None = None, accumulate: str = "fp32") -> torch.Tensor:
     """W4A4 linear: x [..., K] (float) quantized per token, times w [N, K] -> [..., N] in x.dtype.
 
     amax: optional activation amax as in `quantize_activations` (fp32 [...] or []).
+    accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant).
     """
     if amax is not None and scaling == "per_token":
         amax = amax.reshape(-1)
     a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling, amax=amax)
-    return nvfp4_gemm(a, w, bias=bias, out_dtype=x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return nvfp4_gemm(a, w, bias=bias, out_dtype=x.dtype, accumulate=accumulate).reshape(*x.shape[:-1], w.shape[0])
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor) -> torch.Tensor:
+        topk_ids: torch.Tensor, *, accumulate: str = "fp32") -> torch.Tensor:
     """W4A4 SwiGLU MoE with per-token activations. Routing is done by the caller.
+    accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant).
 
     x [T, H] float; w13 [E, 2I, H] (gate rows then up rows, global_scale [E]); w2 [E, H, I];
     topk_weights [T, k] float; topk_ids [T, k] int. Returns [T, H] in x.dtype.
@@ -307,9 +318,9 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         we13 = _expert(w13, e)
-        h = nvfp4_gemm(_rows(a, tok), we13, out_dtype=torch.float32)         # [t, 2I]
+        h = nvfp4_gemm(_rows(a, tok), we13, out_dtype=torch.float32, accumulate=accumulate)   # [t, 2I]
         act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-        y = nvfp4_gemm(quantize_per_token(act), _expert(w2, e), out_dtype=torch.float32)  # [t, H]
+        y = nvfp4_gemm(quantize_per_token(act), _expert(w2, e), out_dtype=torch.float32, accumulate=accumulate)
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 
