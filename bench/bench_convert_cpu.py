@@ -5,7 +5,7 @@ kernels owner in docs/BENCHMARKS.md).
 One decoder layer's attention (q [4096, 2048], k/v [512, 2048], o [2048, 4096]) plus the first
 `--experts` of its 128 experts (gate/up [768, 2048], down [2048, 768]) are converted as an
 in-memory learner state dict through `iter_buckets` (no disk), for each source kind:
-  bf16-1d / bf16-2d   BF16 masters quantized on --device (kernels.dispatch: reference on CPU)
+  bf16-1d / bf16-2d   BF16 masters quantized on --device (kernels.dispatch: kernels.cpu_quant on CPU)
   te-2d               TransformerEngine NVFP4 storage (compact padded scales): a lossless byte copy
   keep-bf16           all linears kept BF16 (the streaming floor: NaN check + bucketing)
 each with and without the per-tensor error report. Also one end-to-end file conversion (HF folder
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from safetensors.torch import save_file
 
 from converters.convert import ConvertOptions, ConvertSummary, convert, iter_buckets
 from converters.sources import StateDictSource, TENVFP4Weight
-from kernels import dispatch
+from kernels import dispatch, reference
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
@@ -63,16 +64,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(source_tensors: dict, device: str, **options) -> float:
-    """Seconds to stream all buckets of the source (buckets stay on `device`)."""
+def run(source_tensors: dict, device: str, **options) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) to stream all buckets of the source (buckets stay on `device`)."""
     summary = ConvertSummary()
     _sync(device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in iter_buckets(StateDictSource(source_tensors, config=CONFIG), ConvertOptions(device=device, **options),
                           summary=summary):
         pass
     _sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def run_reference(weights: dict) -> tuple[float, float]:
+    """The executable spec (kernels.reference.quantize_weight) on the same tensors, for comparison."""
+    start, cpu = time.perf_counter(), time.process_time()
+    for w in weights.values():
+        reference.quantize_weight(w.cpu())
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
@@ -93,9 +102,12 @@ def main() -> None:
         for report in (True, False):
             if args.device != "cpu":
                 run(tensors, args.device, report=report, **opts)      # warm-up (kernel compilation)
-            secs = min(run(tensors, args.device, report=report, **opts) for _ in range(args.repeat))
-            rows.append({"source": label, "report": report, "seconds": round(secs, 3),
+            secs, cpu = min(run(tensors, args.device, report=report, **opts) for _ in range(args.repeat))
+            rows.append({"source": label, "report": report, "seconds": round(secs, 3), "cpu": round(cpu, 3),
                          "GB/s (BF16-equivalent)": round(bf16_bytes / secs / 1e9, 4)})
+    secs, cpu = run_reference(weights)
+    rows.append({"source": "bf16-1d with kernels.reference (the spec, before cpu_quant)", "report": False,
+                 "seconds": round(secs, 3), "cpu": round(cpu, 3), "GB/s (BF16-equivalent)": round(bf16_bytes / secs / 1e9, 4)})
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
@@ -104,12 +116,13 @@ def main() -> None:
         s = convert(src, Path(tmp) / "dst", ConvertOptions(recipe="2d", report=False, bucket_bytes=64 << 20,
                                                           device=args.device))
         rows.append({"source": "file bf16-2d (HF folder -> sampler folder)", "report": False,
-                     "seconds": round(s.seconds, 3), "GB/s (BF16-equivalent)": round(s.gb_per_s, 4)})
+                     "seconds": round(s.seconds, 3), "cpu": None, "GB/s (BF16-equivalent)": round(s.gb_per_s, 4)})
     print(f"{len(weights)} tensors, {bf16_bytes / 1e6:.1f} MB BF16, device {args.device}, "
-          f"torch threads {args.threads}\n")
-    print("| source | report | seconds | GB/s |\n|---|---|---|---|")
+          f"torch threads {args.threads}, load average {os.getloadavg()[0]:.1f}\n")
+    print("| source | report | seconds | GB/s | process CPU s |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['source']} | {'yes' if r['report'] else 'no'} | {r['seconds']} | {r['GB/s (BF16-equivalent)']} |")
+        print(f"| {r['source']} | {'yes' if r['report'] else 'no'} | {r['seconds']} | {r['GB/s (BF16-equivalent)']} "
+              f"| {r['cpu'] if r['cpu'] is not None else '-'} |")
 
 
 if __name__ == "__main__":
