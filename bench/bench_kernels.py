@@ -170,7 +170,7 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
 
 
 def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
-    ms = (1, 16, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    ms = (1, 4, 16, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
@@ -257,7 +257,9 @@ def bench_moe(log, quick: bool) -> None:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
         ours = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
-        row = dict(tokens=t, ours_ms=ours)
+        row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemm.PAIRED_MAX_PAIRS else "grouped")
+        if t <= 64:                               # both decode paths, whichever the threshold picks
+            row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -301,11 +303,13 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     notes = {r["peer_note"] for r in by("linear") if "peer_note" in r}
     for note in notes:
         print(f"  note: {note}")
-    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us   bf16 grouped us  speedup  ref us")
+    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us  path     pairs us"
+          "   bf16 grouped us  speedup  ref us")
     for r in by("moe"):
         base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
         ref = f"{r['ref_ms'] * 1e3:8.0f}" if "ref_ms" in r else ""
-        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f} {base} {ref}")
+        pairs = f"{r['pairs_ms'] * 1e3:9.1f}" if "pairs_ms" in r else f"{'-':>9s}"
+        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f}  {r['path']:7s} {pairs} {base} {ref}")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")

@@ -340,39 +340,58 @@ def _w4a4_gemv_kernel(
     x, stride_xm,                              # activations [M, K] float (rows of stride_xm, unit column stride)
     amax, stride_amax,                         # fp32 amax override per row (stride 1) or per tensor (stride 0) (GIVEN_AMAX)
     a_codes64, a_scales, a_gs, stride_a_gs,    # or, not FUSED: per-token NVFP4 codes as int64 [M, K/16], scales, S_dec
-    w_codes64, w_scales, w_gs, stride_gs_n,    # weights [N, K] NVFP4 (codes as int64 [N, K/16]), S_dec [N] or []
-    out, bias, ws, counters, M, N, K,
+    w_codes64, w_scales, w_gs, stride_gs_e, stride_gs_n,   # weights [E, W_ROWS, K] NVFP4 (codes as int64 blocks)
+    W_ROWS, pair_expert, TOPK,                 # PAIRED: output row p uses expert pair_expert[p] and x row p // TOPK
+    out, row_weight, bias, ws, counters, M, N, K,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
-    FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+    FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
+    SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
     memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
     FUSED: the activation is quantized here (one launch per linear): every program reduces the
     amax of its rows over all of K (unless GIVEN_AMAX), then quantizes its K-slice block by block
     with the spec's float operations (bit-identical codes and scales); PER_TENSOR: one amax for
-    all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs)."""
+    all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs).
+    PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
+    expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
+    row_weight[p] (the router weight)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB = K // 16
     rows = tl.arange(0, M_PAD)
-    rmask = rows < M
-    arow = rows.to(tl.int64)
+    if PAIRED:
+        pair = tl.program_id(2)
+        orow = pair + rows
+        rmask = rows < 1
+        arow = (pair // TOPK + rows).to(tl.int64)
+        e = tl.load(pair_expert + pair)
+        tile = pair * tl.num_programs(0) + pid_n
+    else:
+        orow = rows
+        rmask = rows < M
+        arow = rows.to(tl.int64)
+        e = pid_n * 0
+        tile = pid_n
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    wrow = cols.to(tl.int64)
+    wrow = e.to(tl.int64) * W_ROWS + cols
     b_per = ((NB + SPLIT_K - 1) // SPLIT_K + BLOCK_B - 1) // BLOCK_B * BLOCK_B
     b_lo = pid_k * b_per
     b_hi = min(b_lo + b_per, NB)
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_B), dtype=tl.float32)
+    acc_u = tl.zeros((M_PAD, BLOCK_N, BLOCK_B), dtype=tl.float32)
     # register prefetch two steps deep (Triton pipelines only loads that feed tl.dot); issued
     # before the activation's amax pass so the weight bytes are in flight meanwhile
     w_c, w_s = _load_blocks(w_codes64, w_scales, wrow, cmask, b_lo, b_hi, NB, BLOCK_B)
     w_c1, w_s1 = _load_blocks(w_codes64, w_scales, wrow, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
+    if SWIGLU:
+        u_c, u_s = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo, b_hi, NB, BLOCK_B)
+        u_c1, u_s1 = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
     if FUSED:
         if GIVEN_AMAX:
-            row_amax = tl.load(amax + rows * stride_amax, mask=rmask, other=0.0)
+            row_amax = tl.load(amax + arow * stride_amax, mask=rmask, other=0.0)
         else:
             row_amax = tl.zeros((M_PAD,), dtype=tl.float32)
             for c0 in range(0, NB, AMAX_B):
@@ -403,31 +422,44 @@ def _w4a4_gemv_kernel(
         d = _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_ASM)
         acc += d * ((w_s * 2.0)[None, :, :] * a_s[:, None, :])
         w_c, w_s, w_c1, w_s1 = w_c1, w_s1, w_c2, w_s2
+        if SWIGLU:
+            u_c2, u_s2 = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
+            w0, w1, w2, w3, w4, w5, w6, w7 = _block_regs(u_c[None, :, :])
+            d = _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_ASM)
+            acc_u += d * ((u_s * 2.0)[None, :, :] * a_s[:, None, :])
+            u_c, u_s, u_c1, u_s1 = u_c1, u_s1, u_c2, u_s2
     tot = tl.trans(tl.sum(acc, axis=2))                                      # [BLOCK_N, M_PAD]
-    _finish_tile(tot, tot, a_g, rows, rmask, cols, cmask, 0, pid_n, pid_k, M * N, ws, counters, out,
-                 w_gs, 0, stride_gs_n, None, bias, N, SPLIT_K, False, False, HAS_BIAS)
+    tot_u = tl.trans(tl.sum(acc_u, axis=2))
+    _finish_tile(tot, tot_u, a_g, orow, rmask, cols, cmask, e, tile, pid_k, M * N, ws, counters, out,
+                 w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU, ROW_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
 def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plane, ws, counters, out,
                  w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K: tl.constexpr,
                  SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Epilogue of an acc [BLOCK_N, BLOCK_M] tile; a_g fp32 [BLOCK_M]: S_dec of the activation rows. Split-K: each program stores its partial sums in
-    its own plane ws[pid_k] (plane = R * N floats); the last program of the tile (atomic counter)
-    adds the SPLIT_K planes in index order, so the result is bitwise the same run to run, and
-    re-zeroes the counter. Then ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight] [+ bias] is
-    stored as out[rows, cols]. tile: index of this output tile among the launch's tiles."""
+    """Epilogue of an acc [BLOCK_N, BLOCK_M] tile; a_g fp32 [BLOCK_M]: S_dec of the activation rows;
+    rows: output rows. Split-K: each program stores its partial sums in its own plane ws[pid_k]
+    (plane = R * N floats; SWIGLU: acc_u in ws[SPLIT_K + pid_k]); the last program of the tile
+    (atomic counter) adds the SPLIT_K planes in index order, so the result is bitwise the same run
+    to run, and re-zeroes the counter. Then ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight]
+    [+ bias] is stored as out[rows, cols]. tile: index of this output tile among the launch's tiles."""
     omask = cmask[:, None] & rmask[None, :]
     o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
     if SPLIT_K > 1:
         tl.store(ws + pid_k * plane + o_off, acc, mask=omask)
+        if SWIGLU:                                                  # up-projection planes follow
+            tl.store(ws + (SPLIT_K + pid_k) * plane + o_off, acc_u, mask=omask)
         tl.debug_barrier()
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         last = arrived == SPLIT_K - 1
         if last:
             acc = tl.zeros_like(acc)
+            acc_u = tl.zeros_like(acc_u)
             for s in tl.static_range(SPLIT_K):
                 acc += tl.load(ws + s * plane + o_off, mask=omask, other=0.0, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_u += tl.load(ws + (SPLIT_K + s) * plane + o_off, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(counters + tile, 0)
     else:
         last = True
@@ -628,9 +660,44 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
         _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"])](
             x, x.stride(0), amax, 0 if amax is None or amax.numel() == 1 and scaling == "per_tensor" else 1,
             a_codes, a_scales, a_gs, stride_a_gs,
-            w.codes.view(torch.int64), w.block_scales, gs, 0 if gs.dim() == 0 else gs.stride(0), out, bias, ws, cnt,
-            m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None, PER_TENSOR=scaling == "per_tensor",
+            w.codes.view(torch.int64), w.block_scales, gs, 0, 0 if gs.dim() == 0 else gs.stride(0), n, None, 1,
+            out, None, bias, ws, cnt, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
+            PER_TENSOR=scaling == "per_tensor", PAIRED=False, SWIGLU=False, ROW_WEIGHT=False,
             HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+    return out
+
+
+PAIRED_MAX_PAIRS = 32    # MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort)
+
+
+def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
+                      swiglu: bool = False, row_weight: torch.Tensor | None = None, config: dict | None = None,
+                      use_asm: bool = not _INTERPRET) -> torch.Tensor:
+    """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
+    launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
+
+    x [T, K] float (unit column stride); out [P, N], P = T * topk; pair_expert int32 [P].
+    swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
+    multiplies each output row (the router weight). Split-K partial sums are added in a fixed order."""
+    p, n = out.shape
+    e, w_rows, k = w.shape
+    if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
+        raise ValueError(f"x must be [P / topk, {k}] with unit column stride, got {tuple(x.shape)} for P={p}, topk={topk}")
+    if w_rows != (2 * n if swiglu else n) or not w.codes.is_contiguous():
+        raise ValueError(f"w must be contiguous [E, {2 * n if swiglu else n}, K], got {tuple(w.shape)}")
+    # programs counted over all pairs; 8 blocks per step keep the SwiGLU variant at ~170 registers (sm_90)
+    cfg = dict(config or gemv_config(1, n * p, k, block_b=8))
+    n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    ws = cnt = None
+    if cfg["SPLIT_K"] > 1:
+        ws, cnt = _workspace(out.device, (2 if swiglu else 1) * cfg["SPLIT_K"] * p * n, p * n_tiles)
+    gse, gsn = _gs_strides(w.global_scale, 3)
+    if p and n:
+        _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"], p)](
+            x, x.stride(0), None, 0, None, None, None, 0,
+            w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
+            out, row_weight, None, ws, cnt, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True,
+            SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm, **cfg)
     return out
 
 

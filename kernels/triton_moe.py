@@ -1,6 +1,8 @@
 """W4A4 SwiGLU MoE on CUDA GPUs (Triton), the numerics of `reference.moe`, with no host sync.
 
-Steps (all on the device; the grid sizes depend only on T, top-k and E):
+Decode (T * k <= triton_gemm.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
+program row per (token, expert) pair, activations quantized inside the launches.
+Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`moe_schedule`)
   2. quantize   x once per token (T rows, not T*k): the per-token amax and scales are computed in
@@ -65,6 +67,8 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     k = topk_ids.shape[1]
     p = t * k
+    if p <= triton_gemm.PAIRED_MAX_PAIRS:
+        return _moe_pairs(x, w13, w2, topk_weights, topk_ids)
     bm = moe_block_m(p, e)
     order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
     schedule = (tile_expert, tile_start, tile_end)
@@ -80,3 +84,21 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     pos = torch.empty_like(order)
     pos[order] = torch.arange(p, device=x.device)
     return y[pos].view(t, k, h).sum(1).to(x.dtype)
+
+
+def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> torch.Tensor:
+    """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
+    (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
+    router weight fused), then the k pairs of each token summed in fp32 in slot order."""
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    inter = w13.shape[1] // 2
+    pair_expert = topk_ids.reshape(-1).to(torch.int32)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True)
+    y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
+    triton_gemm.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
+                                  row_weight=topk_weights.reshape(-1).float())
+    return y.view(t, k, h).sum(1).to(x.dtype)

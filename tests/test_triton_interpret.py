@@ -76,6 +76,37 @@ def check_packed_split_k() -> None:
     assert bool(((outs[0] - want).abs() <= _bound(a, w, want, bias)).all())
 
 
+def check_moe_pairs() -> None:
+    """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
+    split-K 1 and 2: the SwiGLU rows within one BF16 ulp of the spec's, the layer within the
+    re-quantization error of `reference.moe`, bitwise deterministic."""
+    from kernels import reference, triton_gemm, triton_moe
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter, top_k, tokens = 6, 256, 64, 4, 2
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16))
+    w13 = w13.replace(global_scale=w13.global_scale[:, None] * (0.5 + torch.rand(experts, 2 * inter, generator=g)))
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, generator=g) * 0.1).to(torch.bfloat16))
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), -1), top_k)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    a = reference.quantize_per_token(x)
+    for split_k in (1, 2):
+        cfg = dict(triton_gemm.gemv_config(1, inter * ids.numel(), hidden), SPLIT_K=split_k)
+        act = torch.empty((ids.numel(), inter), dtype=torch.bfloat16)
+        triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=ids, topk=top_k, swiglu=True, config=cfg)
+        for p in range(ids.numel()):
+            h = reference.nvfp4_gemm(reference._rows(a, torch.tensor([p // top_k])), reference._expert(w13, int(ids[p])),
+                                     out_dtype=torch.float32)
+            want = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)[0].float()
+            assert bool(((act[p].float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()), f"SwiGLU row {p}"
+    want = reference.moe(x, w13, w2, topk_w, topk_ids).float()
+    got = triton_moe.moe(x, w13, w2, topk_w, topk_ids)
+    assert ids.numel() <= triton_gemm.PAIRED_MAX_PAIRS
+    assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids)), "MoE decode not deterministic"
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
+
+
 def test_decode_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,4 +120,5 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
     check_gemv()
     check_packed_split_k()
+    check_moe_pairs()
     print("interpreter checks passed")
