@@ -88,3 +88,40 @@ def test_push_of_a_state_dict_holds_about_two_buckets_of_host_memory(server, mod
     with SamplerClient(server.url) as c:
         assert c.version().weight_version == m["version"]
         assert len(c.logprobs(SEQS, PROMPT_LENS).results) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nvfp4", "bf16"])
+def test_gpu_state_dict_converts_on_its_device_into_pinned_buckets(layout):
+    """A CUDA state dict (fused transformers-5 experts) is converted on the GPU and staged in pinned
+    host buffers; the host buckets equal the CPU conversion of the same tensors byte for byte."""
+    import torch
+
+    from server import push
+    from tests.test_converters import CONFIG
+
+    moe = {**CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+           "moe_intermediate_size": 48}
+    g = torch.Generator().manual_seed(0)
+    h, i = moe["hidden_size"], moe["moe_intermediate_size"]
+    cpu = {"model.layers.0.self_attn.q_proj.weight": torch.randn(96, h, generator=g),
+           "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 2 * i, h, generator=g),
+           "model.layers.0.mlp.experts.down_proj": torch.randn(4, h, i, generator=g),
+           "model.norm.weight": torch.ones(h)}
+    cpu = {n: t.to(torch.bfloat16) for n, t in cpu.items()}
+    gpu = {n: t.cuda() for n, t in cpu.items()}
+
+    def host(state) -> tuple[dict[str, torch.Tensor], set[bool]]:
+        out, pinned = {}, set()
+        with push.Pipeline(push.plan(state, layout=layout, config=moe, bucket_bytes=20_000)) as buckets:
+            for b in buckets:
+                pinned |= {t.is_pinned() for t in b.values()}
+                out |= {n: t.clone() for n, t in b.items()}
+        return out, pinned
+
+    (want, _), (got, pinned) = host(cpu), host(gpu)
+    assert pinned == {True}
+    assert want.keys() == got.keys() and len(want) > 12
+    for n in want:
+        assert got[n].device.type == "cpu" and got[n].dtype == want[n].dtype
+        assert torch.equal(got[n].reshape(-1).view(torch.uint8), want[n].reshape(-1).view(torch.uint8)), n
