@@ -4,11 +4,14 @@
   2. serve it (vLLM with nvfp4_sampler when installed, else the embedded engine) behind the sidecar
   3. ask a chat question through the official `openai` client
   4. "train": perturb the BF16 weights, push them over HTTP as NVFP4 (converted here), commit
-  5. recompute log-probs of real text at both versions and compare them with a BF16 learner
-     (transformers, same weights): kl, k3, log-ppl diff, chi2 (server/mismatch.py)
+  5. recompute log-probs of real text at both versions; at version 1 compare the sampler with three
+     learners of the same weights (plain torch, teacher-forced): NVFP4 per-token (the execution gap
+     only), NVFP4 per-tensor (+ neighbour-dependent scales), BF16 (+ quantization error); metrics
+     and tails from `diagnostics` (docs/NUMERICS.md)
 """
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
 import time
@@ -17,9 +20,11 @@ from pathlib import Path
 import torch
 
 from converters.smollm2 import smollm2
+from diagnostics.gaps import gap_metrics, tail_metrics
+from sampler_plugin.config import SamplerConfig
+from sampler_plugin.torch_modules import quantize_model
 
 from .client import SamplerClient
-from .mismatch import mismatch
 from .process import sidecar
 from .protocol import WEIGHT_VERSION_HEADER
 
@@ -57,9 +62,23 @@ def _learner_logprobs(model, seqs: list[list[int]], prompt_len: int) -> torch.Te
     return torch.cat(out)
 
 
-def _line(label: str, m: dict[str, float]) -> str:
-    return (f"  {label:<34} tokens {m['tokens']:>4}  kl {m['kl']:+.5f}  k3 {m['k3']:.5f}  "
-            f"log-ppl diff {m['log_ppl_diff']:+.5f}  chi2 {m['chi2']:.5f}  max|dlogp| {m['max_abs']:.3f}")
+LAYER_NOTES = {
+    "NVFP4 per-token": "same codes and scales per token as the sampler: what is left is execution order",
+    "NVFP4 per-tensor": "one activation scale per forward: each token's codes depend on its neighbours",
+    "BF16": "no quantization: adds the NVFP4 quantization error itself",
+}
+METRIC_NOTES = [
+    "mean|gap|  mean over tokens of |log p_learner - log p_sampler| (nats)",
+    "max|gap|   the worst token; a small mean can hide a deep tail",
+    "k3         E[rho - log rho - 1], rho = p_learner / p_sampler: the KL estimate RL frameworks log (>= 0)",
+    "chi2       E[rho^2] - 1: the variance an importance weight adds",
+    "tail       deepest negative gap in any 16-token segment (TRIAGE's risk signal; 64 in RL runs)",
+]
+
+
+def _line(label: str, m: dict[str, float], t: dict[str, float]) -> str:
+    return (f"  {label:<17} mean|gap| {m['mean_abs_gap']:.5f}  max|gap| {m['max_abs_gap']:.4f}  k3 {m['k3']:.2e}  "
+            f"chi2 {m['chi2']:+.2e}  tail {t['tail_depth_max']:.4f}   <- {LAYER_NOTES[label]}")
 
 
 def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = None) -> int:
@@ -126,6 +145,11 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
 
         v1, lp1, timings["log-prob recompute, version 1"] = recompute()
         ref1 = _learner_logprobs(learner, seqs, PROMPT_TOKENS)
+        layered = {"BF16": ref1}
+        for label, scaling in (("NVFP4 per-token", "per_token"), ("NVFP4 per-tensor", "per_tensor")):
+            q = copy.deepcopy(learner)
+            quantize_model(q, SamplerConfig(activation_scaling=scaling))
+            layered[label] = _learner_logprobs(q, seqs, PROMPT_TOKENS)
         after = oa.chat.completions.with_raw_response.create(
             model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0)
         print(f"    chat at version {after.headers[WEIGHT_VERSION_HEADER]}: "
@@ -133,10 +157,15 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
         metrics = httpx_metrics(srv.url)
         client.close()
 
-    print(f"[5] log-prob mismatch, NVFP4 sampler (mu) vs BF16 learner (pi), {len(seqs)} texts:")
-    m0, m1 = mismatch(lp0, ref0), mismatch(lp1, ref1)
-    print(_line(f"version {v0} (original weights)", m0))
-    print(_line(f"version {v1} (perturbed, pushed)", m1))
+    print(f"[5] log-prob gap at version {v1}: the sampler (its own recompute) vs learners of the same weights, "
+          f"{len(seqs)} texts, {lp1.numel()} tokens:")
+    ms = {}
+    for label in LAYER_NOTES:
+        ms[label] = gap_metrics(lp1, layered[label])
+        print(_line(label, ms[label], tail_metrics(lp1, layered[label], segment=16)))
+    for note in METRIC_NOTES:
+        print(f"    {note}")
+    m0, m1 = gap_metrics(lp0, ref0), ms["BF16"]
     print(f"    mean log-prob per token, sampler: v{v0} {lp0.mean():.3f}, v{v1} {lp1.mean():.3f}; learner: "
           f"v{v0} {ref0.mean():.3f}, v{v1} {ref1.mean():.3f}")
     print(f"    the update moved per-token log-probs by {(lp1 - lp0).abs().mean():.4f} (sampler) and "
@@ -145,7 +174,8 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
     for k, v in timings.items():
         print(f"    {k:<46} {v:8.2f} s")
     print(f"    sidecar metrics: {metrics}")
-    print(json.dumps({"versions": [v0, v1], "engine": engine, "mismatch": {"v0": m0, "v1": m1},
+    print(json.dumps({"versions": [v0, v1], "engine": engine, "mismatch_bf16": {"v0": m0, "v1": m1},
+                      "layers_v1": ms,
                       "timings_s": timings}, indent=None))
     # sanity bounds, not quality goals: a broken engine or a lost update is off by nats per token
     ok = v1 == v0 + 1 and all(abs(m["kl"]) < 1.0 for m in (m0, m1)) and -6.0 < float(lp1.mean()) < -0.5
