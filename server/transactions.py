@@ -259,7 +259,9 @@ class UpdateManager:
                     raise WireError(f"{item.entry.name}: [{item.offset}, {item.offset + n}) is not a 16-byte "
                                     f"aligned range of the {flat.numel()}-byte buffer", status=422)
                 src = flat[item.offset:item.offset + n]
-                dst = u.slot(item.entry, n) if flat.device.type == "cpu" else torch.empty_like(src)
+                dst = u.slot(item.entry, n)                  # checks the manifest, unstages an earlier copy
+                if flat.device.type != "cpu":
+                    dst = torch.empty_like(src)
                 dst.copy_(src)
                 staged.append((item.entry, decode_payload(item.entry, dst, check=False), n))
             bad = invalid_tensor({k: t for _, parts, _ in staged for k, t in parts.items()})

@@ -419,6 +419,10 @@ def test_ipc_buckets_update_equals_fresh_engine(client, models, reference_logpro
     with pytest.raises(SidecarError, match=f"{scale}: payload holds NaN or Inf") as e:
         client.send_ipc(st.update_id, bad, names[:20])
     assert e.value.status == 422 and client.status(st.update_id).received == 0
+    qname = next(n for n in names if n.endswith("q_proj.weight"))
+    with pytest.raises(SidecarError, match=f"{qname}: frame is dense bfloat16 .* manifest says nvfp4") as e:
+        client.send_ipc(st.update_id, tensors(models["a"]), [qname])         # BF16 where the manifest said NVFP4
+    assert e.value.status == 422
     client.send_ipc(st.update_id, b, names[:20])
     st = client.send_ipc(st.update_id, b, names[20:])
     assert st.missing == [] and st.received == len(names)
