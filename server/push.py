@@ -36,12 +36,14 @@ _DENSE = (torch.bfloat16, torch.float16, torch.float32)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a push sends: the converter source and options, the manifest (entry per logical tensor,
-    NVFP4 triplets by their P.weight) and the dense wire dtype (bf16 layout: every tensor BF16)."""
+    NVFP4 triplets by their P.weight), the dense wire dtype (bf16 layout: every tensor BF16) and the
+    CUDA device conversion runs on (None: CPU)."""
 
     source: SafetensorsFolder | StateDictSource
     options: ConvertOptions
     entries: dict[str, TensorEntry]
     dense_dtype: torch.dtype | None
+    cuda_device: torch.device | None
 
 
 def plan(source: str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
@@ -78,7 +80,12 @@ def plan(source: str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, t
             entries[name] = TensorEntry(name=name, layout="dense", dtype=wire, shape=list(shape))
         else:
             raise ValueError(f"{name}: dtype {dtype} cannot be sent dense (bfloat16, float16 or float32)")
-    return Plan(src, options, entries, torch.bfloat16 if layout == "bf16" else None)
+    if device is not None:
+        cuda = torch.device(device) if torch.device(device).type == "cuda" else None
+    else:
+        cuda = next((t.device for _, t in src.tensors() if isinstance(t, torch.Tensor) and t.is_cuda), None) \
+            if isinstance(src, StateDictSource) else None
+    return Plan(src, options, entries, torch.bfloat16 if layout == "bf16" else None, cuda)
 
 
 class _PinnedSlots:
@@ -133,6 +140,8 @@ class Pipeline:
 
     def _produce(self) -> None:
         try:
+            if self.plan.cuda_device is not None:                 # this thread's kernels run on that GPU
+                torch.cuda.set_device(self.plan.cuda_device)
             buckets = iter_buckets(self.plan.source, self.plan.options, only=self.only)
             slot = 0
             while True:
@@ -144,7 +153,6 @@ class Pipeline:
                 if bucket is None:
                     break
                 if any(t.device.type == "cuda" for t in bucket.values()):
-                    torch.cuda.set_device(next(iter(bucket.values())).device)
                     bucket = self._pinned.stage(bucket, slot, self.plan.dense_dtype)
                 elif self.plan.dense_dtype is not None:
                     bucket = {n: t.to(self.plan.dense_dtype) for n, t in bucket.items()}
