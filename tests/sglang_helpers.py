@@ -82,19 +82,23 @@ def update(engine, tensors: dict[str, torch.Tensor], *, load_format: str | None 
 def bucket_payloads(tensors: dict[str, torch.Tensor], *, inline: bool = False) -> list[str]:
     """`update_weights_from_tensor(load_format="flattened_bucket")` payload (one entry per TP rank), as miles
     builds it: SGLang's FlattenedTensorBucket of all dtypes, serialized by MultiprocessingSerializer (base64).
-    inline: plain pickle instead, the data inside the payload, for a server in another process (on CPU, torch's
-    shared-memory handles do not cross unrelated processes; a GPU trainer sends CUDA IPC handles)."""
-    import base64
-    import pickle
-
+    inline: pickled with the data inside (`inline_payload`), for a server in another process."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     bucket = FlattenedTensorBucket(named_tensors=list(tensors.items()))
     data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    if inline:
-        return [base64.b64encode(pickle.dumps(data)).decode()]
-    return [MultiprocessingSerializer.serialize(data, output_str=True)]
+    return inline_payload(data) if inline else [MultiprocessingSerializer.serialize(data, output_str=True)]
+
+
+def inline_payload(obj) -> list[str]:
+    """`serialized_named_tensors` (one TP rank) holding `obj` pickled with its tensor data inside, base64:
+    on CPU, torch's shared-memory handles do not cross unrelated processes (a GPU trainer sends CUDA IPC
+    handles); SGLang's SafeUnpickler accepts plain tensor pickles."""
+    import base64
+    import pickle
+
+    return [base64.b64encode(pickle.dumps(obj)).decode()]
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], path) -> Path:
