@@ -219,9 +219,15 @@ def _bucket_frames(buckets: Iterable[Tensors], entries: Mapping[str, TensorEntry
     what it joins and passes large payloads through), so nothing refers to a bucket once the next is
     requested: its pinned slot may then be refilled."""
     for bucket in buckets:
-        for buf in _bytes(push_pipeline.frames(bucket, entries)):
-            yield buf
-            bar.update(len(buf) if isinstance(buf, bytes) else buf.nbytes)
+        yield from _bytes(_count_payload(push_pipeline.frames(bucket, entries), bar))
+
+
+def _count_payload(bufs: Iterable[bytes | memoryview], bar) -> Iterator[bytes | memoryview]:
+    """Pass frame buffers through; the bar counts payload bytes (memoryviews; headers are bytes)."""
+    for buf in bufs:
+        yield buf
+        if isinstance(buf, memoryview):
+            bar.update(buf.nbytes)
 
 
 def _progress(total: int, enabled: bool):
