@@ -35,7 +35,7 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
                     op_order: str = "vllm") -> NVFP4Tensor:
     """`reference.quantize_weight` on a CPU tensor: w [N, K] or [E, N, K] bf16/fp16/fp32 ->
     NVFP4Tensor (codes uint8 [..., K/2], block_scales e4m3 [..., K/16], global_scale fp32 [] or [E]).
-    Same arguments, results (bit for bit) and errors as the reference."""
+    Same arguments, results (bit for bit) and errors as the reference; a given amax must be finite."""
     reference._check_input(w, "weight", finite=False)
     reference._check_op_order(op_order)
     if w.device.type != "cpu":
@@ -44,6 +44,9 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
     if recipe not in ("1d", "2d"):
         raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    if amax is not None and not bool(torch.isfinite(amax).all()):
+        raise ValueError(f"amax: must be finite, got {amax.tolist()} (an infinite amax makes the reference's "
+                         f"block scales 0 * inf = NaN)")
     rows = w.contiguous().reshape(-1, w.shape[-1])                           # [R, K]
     block_amax = _block_amax(rows).reshape(*w.shape[:-1], -1)                # fp32 [..., N, K/16]
     if amax is None:

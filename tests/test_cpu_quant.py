@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_quant, dispatch, reference
@@ -83,6 +83,7 @@ def test_bit_identical_to_reference(w, recipe, given_amax, op_order, amax_scale)
     amax = None
     if given_amax:                   # e.g. a fused group's shared amax (larger) or a too-small one (saturation)
         amax = w.abs().float().amax(dim=(-2, -1)) * amax_scale
+        assume(bool(torch.isfinite(amax).all()))      # an overflowed amax is refused (next test)
     want = reference.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
     got = cpu_quant.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
     assert_same(got, want)
@@ -98,6 +99,12 @@ def test_many_chunks_and_rows_longer_than_a_chunk(shape):
 def test_dispatch_quantizes_cpu_weights_with_it():
     w = torch.randn(64, 256).to(torch.bfloat16)
     assert_same(dispatch.quantize_weight_on(w, recipe="2d"), cpu_quant.quantize_weight(w, recipe="2d"))
+
+
+def test_infinite_amax_is_refused():
+    """The reference turns an infinite given amax into NaN scale products (0 * inf); refused here."""
+    with pytest.raises(ValueError, match="amax: must be finite"):
+        cpu_quant.quantize_weight(torch.ones(4, 32), amax=torch.tensor(float("inf")))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
