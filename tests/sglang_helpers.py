@@ -67,12 +67,10 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
     return {n: t for f in sorted(Path(path).glob("*.safetensors")) for n, t in load_file(f).items()}
 
 
-def update(engine, tensors: dict[str, torch.Tensor], *, load_format: str | None = None) -> None:
-    """One SGLang weight-update session: begin, update_weights_from_tensor(checkpoint-named tensors), end.
-    load_format="flattened_bucket": the tensors travel as miles sends them (`bucket_payloads`)."""
-    payload = list(tensors.items()) if load_format is None else bucket_payloads(tensors)
+def update(engine, tensors: dict[str, torch.Tensor]) -> None:
+    """One SGLang weight-update session: begin, update_weights_from_tensor(checkpoint-named tensors), end."""
     steps = (("begin_weight_update", engine.begin_weight_update),
-             ("update_weights_from_tensor", lambda: engine.update_weights_from_tensor(payload, load_format=load_format)),
+             ("update_weights_from_tensor", lambda: engine.update_weights_from_tensor(list(tensors.items()))),
              ("end_weight_update", engine.end_weight_update))
     for step, call in steps:
         success, message = call()
@@ -102,7 +100,8 @@ def inline_payload(obj) -> list[str]:
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], path) -> Path:
-    """`tensors` as one safetensors file in folder `path` (a full or partial checkpoint for update_weights_from_disk)."""
+    """`tensors` as one safetensors file in folder `path` (a full or partial checkpoint, for
+    update_weights_from_disk)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -125,7 +124,8 @@ def bad_updates(bf16: dict[str, torch.Tensor], pq: dict[str, torch.Tensor], *, q
         "nan": ({f"{quantized}.weight": nan}, f"{quantized}.weight: contains NaN or Inf"),
         "plain_shape": ({plain: bf16[plain][:-1]}, f"{plain}: AssertionError"),
         "plain_inf": ({plain: torch.full_like(bf16[plain], float("inf"))}, f"{plain}: contains NaN or Inf"),
-        "unknown": ({"model.layers.0.mlp.no_such_proj.weight": w}, "model.layers.0.mlp.no_such_proj.weight: no parameter"),
+        "unknown": ({"model.layers.0.mlp.no_such_proj.weight": w},
+                    "model.layers.0.mlp.no_such_proj.weight: no parameter"),
         "scale_dtype": ({f"{triplet}.weight": codes, f"{triplet}.weight_scale": scale.float(),
                          f"{triplet}.weight_scale_2": scale_2}, f"{triplet}.weight_scale: dtype torch.float32"),
         "incomplete_triplet": ({f"{triplet}.weight": codes, f"{triplet}.weight_scale": scale},

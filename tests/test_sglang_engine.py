@@ -28,7 +28,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from converters.convert import convert  # noqa: E402
 from tests import models  # noqa: E402
-from tests.sglang_helpers import bad_updates, bucket_payloads, make_engine, prompt_logprobs, save_checkpoint, update  # noqa: E402
+from tests.sglang_helpers import bad_updates, bucket_payloads, make_engine, prompt_logprobs  # noqa: E402
+from tests.sglang_helpers import save_checkpoint, update  # noqa: E402
 from tests.sglang_helpers import checkpoint_tensors as tensors  # noqa: E402
 from tests.vllm_helpers import reference_logprobs, reference_model, token_ids  # noqa: E402
 
@@ -175,7 +176,8 @@ def test_partial_update(kind, ckpts, ids, online, part, payload, route):
     if route == "tensor":
         update(online, new)
     else:
-        ok, message, *_ = online.update_weights_from_disk(str(save_checkpoint(new, ckpts["dir"] / f"part_{payload}_{part}")))
+        folder = save_checkpoint(new, ckpts["dir"] / f"part_{payload}_{part}")
+        ok, message, *_ = online.update_weights_from_disk(str(folder))
         assert ok, message
     assert (prompt_logprobs(online, ids) - partial_reference(ckpts, ids, prefix)).abs().max().item() < TOL
 

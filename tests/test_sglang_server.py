@@ -17,7 +17,8 @@ import httpx  # noqa: E402
 from converters.convert import convert  # noqa: E402
 from server.process import ChildServer, free_port  # noqa: E402
 from tests import models  # noqa: E402
-from tests.sglang_helpers import GREEDY_ONE, bad_updates, bucket_payloads, inline_payload, logprobs_from_outputs  # noqa: E402
+from tests.sglang_helpers import GREEDY_ONE, bad_updates, bucket_payloads, inline_payload  # noqa: E402
+from tests.sglang_helpers import logprobs_from_outputs  # noqa: E402
 from tests.sglang_helpers import checkpoint_tensors as tensors  # noqa: E402
 from tests.sglang_helpers import save_checkpoint, server_command  # noqa: E402
 from tests.vllm_helpers import reference_logprobs, reference_model, token_ids  # noqa: E402
@@ -29,7 +30,7 @@ TOL = 1e-3       # as tests/test_sglang_engine.py: float32 server vs float32 tor
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_server")
-    paths = {"dir": d, "bf16_0": models.tiny_qwen3(d / "bf16_0", seed=0), "bf16_1": models.tiny_qwen3(d / "bf16_1", seed=1)}
+    paths = {"dir": d, **{f"bf16_{s}": models.tiny_qwen3(d / f"bf16_{s}", seed=s) for s in (0, 1)}}
     for s in (0, 1):
         convert(paths[f"bf16_{s}"], d / f"pq_{s}")
         paths[f"pq_{s}"] = d / f"pq_{s}"
