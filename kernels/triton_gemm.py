@@ -508,19 +508,13 @@ def _scale_epilogue_kernel(acc, a_gs, w_gs, stride_w_gs, bias, out, M, N,
     tl.store(out + off, v.to(out.dtype.element_ty), mask=mask)
 
 
-_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K buffers: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, overwritten by every
-    launch) and int32 tile counters (zeroed, and left zeroed by every launch), grown on demand
-    (sizes depend on shapes only). One stream at a time uses them."""
-    ws, cnt = _WORKSPACE.get(device, (None, None))
-    if ws is None or ws.numel() < n_acc or cnt.numel() < n_tiles:
-        ws = torch.empty(max(n_acc, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
-        cnt = torch.zeros(max(n_tiles, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
-        _WORKSPACE[device] = (ws, cnt)
-    return ws, cnt
+    """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, all
+    written before they are read) and int32 tile counters (zeroed). Allocated per launch from torch's
+    caching allocator, so a CUDA graph captures buffers that stay valid on replay (a module-level
+    buffer grown after capture would leave captured graphs pointing at freed memory)."""
+    return (torch.empty(n_acc, dtype=torch.float32, device=device),
+            torch.zeros(n_tiles, dtype=torch.int32, device=device))
 
 
 def packed_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
