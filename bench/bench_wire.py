@@ -5,13 +5,16 @@ A random Qwen3-shaped model (BF16, quantized on load) is served by a real sideca
 `SamplerClient`, with random NVFP4 triplets (or BF16 tensors) of the model's shapes built in memory
 beforehand, so only the transfer is timed: no conversion. "body" is the PUT of the frames (payload
 bytes / seconds from the first byte to the server's answer: parsed, checksummed, NaN-checked and
-staged); "commit" is staging handed to the engine and applied. Medians of `--repeats`.
+staged); "commit" is staging handed to the engine and applied. CPU seconds per GB of payload of the
+sidecar process (/proc) and of this client during the body say what two idle cores could sustain
+when the machine is shared (wall GB/s moves 2-3x with other jobs). Medians of `--repeats`.
 
     .venv/bin/python bench/bench_wire.py [--hidden 1536 --inter 4096 --layers 12] [--repeats 5]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -58,14 +61,22 @@ def _update(model: Path, layout: str) -> tuple[list[TensorEntry], dict[str, torc
     return entries, tensors
 
 
-def _push(client: SamplerClient, entries, tensors) -> tuple[float, float]:
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _push(client: SamplerClient, entries, tensors, *, server_pid: int) -> tuple[float, float, float, float]:
+    """(body seconds, commit seconds, sidecar CPU seconds and client CPU seconds during the body)."""
     st = client.begin(client.version().weight_version + 1, entries)
-    t0 = time.perf_counter()
+    s0, c0, t0 = _cpu_seconds(server_pid), time.process_time(), time.perf_counter()
     st = client.send(st.update_id, (b for e in entries for b in encode_frame(e, tensors)))
     t1 = time.perf_counter()
+    server_cpu, client_cpu = _cpu_seconds(server_pid) - s0, time.process_time() - c0
     assert not st.missing, st.missing[:3]
     client.commit(st.update_id)
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, server_cpu, client_cpu
 
 
 def main() -> int:
@@ -74,26 +85,29 @@ def main() -> int:
     p.add_argument("--inter", type=int, default=4096)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layouts", default="nvfp4,bf16", help="comma-separated: nvfp4, bf16")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-wire-"))
     model = _model(work, hidden=args.hidden, inter=args.inter, layers=args.layers)
     rows = []
     with sidecar(model, engine="embedded", log=work / "sidecar.log") as srv, SamplerClient(srv.url) as client:
-        for layout in ("nvfp4", "bf16"):
+        for layout in args.layouts.split(","):
             entries, tensors = _update(model, layout)
             nbytes = sum(payload_nbytes(e) for e in entries)
-            _push(client, entries, tensors)                               # warm-up
-            runs = [_push(client, entries, tensors) for _ in range(args.repeats)]
-            body, commit = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-            rows.append((layout, nbytes, body, commit, max(nbytes / r[0] for r in runs)))
+            _push(client, entries, tensors, server_pid=srv.proc.pid)        # warm-up
+            runs = [_push(client, entries, tensors, server_pid=srv.proc.pid) for _ in range(args.repeats)]
+            med = [statistics.median(r[i] for r in runs) for i in range(4)]
+            rows.append((layout, nbytes, *med, max(nbytes / r[0] for r in runs)))
     print(f"\nmodel hidden {args.hidden}, MLP {args.inter}, {args.layers} layers; embedded sidecar on 127.0.0.1; "
           f"medians of {args.repeats} pushes\n")
-    print("| body | payload MB | body s | GB/s (median) | GB/s (best) | commit s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for layout, nbytes, body, commit, best in rows:
-        print(f"| {layout} | {nbytes / 1e6:.1f} | {body:.3f} | {nbytes / body / 1e9:.2f} | {best / 1e9:.2f} | "
-              f"{commit:.3f} |")
+    print("| body | payload MB | body s | GB/s (median) | GB/s (best) | CPU s/GB sidecar | CPU s/GB client | commit s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for layout, nbytes, body, commit, server_cpu, client_cpu, best in rows:
+        gb = nbytes / 1e9
+        print(f"| {layout} | {nbytes / 1e6:.1f} | {body:.3f} | {gb / body:.2f} | {best / 1e9:.2f} | "
+              f"{server_cpu / gb:.2f} | {client_cpu / gb:.2f} | {commit:.3f} |")
+    print(f"\nbody route: {'data-plane port' if os.environ.get('NVFP4_SAMPLER_DATA_PORT', '0') != 'off' else 'main port'}")
     return 0
 
 
