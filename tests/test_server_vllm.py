@@ -83,6 +83,24 @@ def test_routes_and_openai_client(side, client, models):
     assert "nvfp4_sampler_weight_version 0.0" in httpx.get(f"{url}/metrics").text
 
 
+def test_streaming_passes_vllm_events_through(side, models):
+    """`stream: true` through the sidecar: vLLM's own events, joined, equal the non-streamed greedy
+    answer; the stream carries the weight version."""
+    oa = openai.OpenAI(base_url=f"{side['proc'].url}/v1", api_key="unused")
+    model = oa.models.list().data[0].id
+    msgs = [{"role": "user", "content": "The capital of France"}]
+    full = oa.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0)
+    raw = oa.chat.completions.with_raw_response.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                                       stream=True)
+    assert raw.headers[WEIGHT_VERSION_HEADER].isdigit()
+    chunks = [c for c in raw.parse() if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    comp = oa.completions.create(model=model, prompt=SEQS[0], max_tokens=4, temperature=0)
+    streamed = [c.choices[0].text for c in oa.completions.create(model=model, prompt=SEQS[0], max_tokens=4,
+                                                                 temperature=0, stream=True) if c.choices]
+    assert len(streamed) >= 2 and "".join(streamed) == comp.choices[0].text
+
+
 def test_logprobs_equal_the_engine_called_directly(engine, client):
     """The sidecar's recompute is vLLM's prompt log-probs, number for number (JSON and binary)."""
     body = {"model": client.version().model, "prompt": SEQS, "max_tokens": 1, "prompt_logprobs": 0}
