@@ -88,10 +88,10 @@ def _encode(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     r_total, k = x.shape
     step = _chunk_rows(k)
     codes = torch.empty(r_total, k // 2, dtype=torch.uint8)
-    f = torch.empty(step, k)                                   # x * inv, then |x * inv|
+    f = torch.empty(step, k, dtype=torch.float32)              # x * inv, then |x * inv|
     sign = torch.empty(step, k, dtype=torch.int32)             # bit 3 = sign
     magic = torch.empty(step, k, dtype=torch.int32)            # bits of M = 2^(22 + e)
-    total = torch.empty(step, k)                               # a + M, then the code
+    total = torch.empty(step, k, dtype=torch.float32)          # a + M, then the code
     packed = torch.empty(step, k // 2, dtype=torch.int64)
     for r0 in range(0, r_total, step):
         r = min(step, r_total - r0)

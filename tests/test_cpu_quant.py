@@ -96,6 +96,21 @@ def test_many_chunks_and_rows_longer_than_a_chunk(shape):
         assert_same(cpu_quant.quantize_weight(w, recipe=recipe), reference.quantize_weight(w, recipe=recipe))
 
 
+@pytest.mark.parametrize("default_dtype", [torch.bfloat16, torch.float16])
+def test_independent_of_the_default_dtype(default_dtype):
+    """Engines set torch's default dtype to the model's (vLLM workers: bf16/fp16); scratch buffers
+    must not follow it (a bf16 scratch viewed as int32 halves its last dim)."""
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = reference.quantize_weight(w)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        got = cpu_quant.quantize_weight(w)
+    finally:
+        torch.set_default_dtype(old)
+    assert_same(got, want)
+
+
 def test_dispatch_quantizes_cpu_weights_with_it():
     w = torch.randn(64, 256).to(torch.bfloat16)
     assert_same(dispatch.quantize_weight_on(w, recipe="2d"), cpu_quant.quantize_weight(w, recipe="2d"))
