@@ -25,8 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +38,6 @@ MODES = ("eager", "graphs", "compiled")
 PATHS = ("ext", "rpc", "lw")
 PARALLEL = 7
 MODE_MEAN_BOUND = 0.25  # mean |dlogp| compiled vs eager, prompt log-probs (measured 0.110 / 0.055, see test_modes_agree)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +52,8 @@ def ckpts(tmp_path_factory):
 
 
 def _run(args: list[str], out: Path, log: Path) -> dict:
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "tests.gpu_scripts.vllm_engine", *args, "--out", str(out)],
-                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=400)
-    result = json.loads(out.read_text()) if out.exists() else {"errors": {}}
-    if proc.returncode:
-        result["errors"]["process"] = f"exit {proc.returncode}: " + log.read_text()[-4000:]
-    return result
+    from tests.gpu_scripts import run_script
+    return run_script("tests.gpu_scripts.vllm_engine", args, out, log, timeout=400)
 
 
 @pytest.fixture(scope="module")

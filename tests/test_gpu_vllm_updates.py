@@ -17,10 +17,6 @@ Run (H200, after `bash .gpu-vllm/install.sh`): python3 -m pytest -q -s -m gpu te
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +26,6 @@ vllm = pytest.importorskip("vllm")
 
 KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODE = "graphs"            # CUDA graphs without torch.compile (FULL_DECODE_ONLY): decode replays graphs
-ROOT = Path(__file__).resolve().parents[1]
 FULL = ("ipc_bf16", "ipc_nvfp4", "rpc_bf16")
 
 
@@ -49,14 +44,9 @@ def runs(tmp_path_factory):
         jobs[kind, "fresh"] = ["--model", new, "--mode", MODE]
 
     def run(key, args):
-        out, log = d / f"{'_'.join(key)}.json", d / f"{'_'.join(key)}.log"
-        with open(log, "w") as f:
-            proc = subprocess.run([sys.executable, "-m", "tests.gpu_scripts.updates_ipc", *args, "--out", str(out)],
-                                  cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=500)
-        result = json.loads(out.read_text()) if out.exists() else {"errors": {}}
-        if proc.returncode:
-            result["errors"]["process"] = f"exit {proc.returncode}: " + log.read_text()[-4000:]
-        return result
+        from tests.gpu_scripts import run_script
+        return run_script("tests.gpu_scripts.updates_ipc", args, d / f"{'_'.join(key)}.json",
+                          d / f"{'_'.join(key)}.log", timeout=500)
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = {key: pool.submit(run, key, args) for key, args in jobs.items()}

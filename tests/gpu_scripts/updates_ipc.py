@@ -133,24 +133,13 @@ def main() -> None:
     args = ap.parse_args()
     out: dict = {"mode": args.mode, "model": args.model, "errors": {}, "bytes": {}}
 
-    def save():
-        Path(args.out).write_text(json.dumps(out))
-
-    def step(name, fn):
-        t = time.time()
-        try:
-            out[name] = fn()
-        except Exception as e:   # recorded for the test to report; the other steps still run
-            out["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-        out.setdefault("seconds", {})[name] = round(time.time() - t, 2)
-        save()
+    from tests.gpu_scripts.vllm_engine import EXTENSION, MODES, observe, recorder
+    save, step = recorder(args.out, out)
 
     import multiprocessing
 
     from safetensors.torch import load_file, save_file
     from vllm import LLM
-
-    from tests.gpu_scripts.vllm_engine import EXTENSION, MODES, observe
 
     _importable_ipc_engine()
     t0 = time.time()

@@ -56,6 +56,24 @@ def observe(llm) -> dict:
     }
 
 
+def recorder(path: str, out: dict):
+    """(save, step) over the result dict `out` (with an "errors" dict), written to `path` as JSON after
+    every step, so a run cut short keeps what it measured. step(name, fn) stores fn() under name, or
+    the error and its traceback under errors[name]; the other steps still run."""
+    def save():
+        Path(path).write_text(json.dumps(out))
+
+    def step(name, fn):
+        t = time.time()
+        try:
+            out[name] = fn()
+        except Exception as e:   # recorded for the test to report; the other steps still run
+            out["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        out.setdefault("seconds", {})[name] = round(time.time() - t, 2)
+        save()
+    return save, step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -66,17 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     out: dict = {"mode": args.mode, "model": args.model, "errors": {}}
 
-    def save():
-        Path(args.out).write_text(json.dumps(out))
-
-    def step(name, fn):
-        t = time.time()
-        try:
-            out[name] = fn()
-        except Exception as e:   # recorded for the test to report; the other steps still run
-            out["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-        out.setdefault("seconds", {})[name] = round(time.time() - t, 2)
-        save()
+    save, step = recorder(args.out, out)
 
     import torch
     from safetensors.torch import load_file, save_file
