@@ -30,10 +30,7 @@ def write_plots(logp_sampler: torch.Tensor, logp_learner: torch.Tensor, mask: to
     ax.set_xlabel("gap  log p_learner - log p_sampler  (nats)")
     ax.set_ylabel("tokens")
     ax.set_title(f"per-token gap {label}".strip())
-    paths.append(out_dir / "gap_hist.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "gap_hist.png"))
 
     seg = gaps.segments(g, m, segment)
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -43,10 +40,7 @@ def write_plots(logp_sampler: torch.Tensor, logp_learner: torch.Tensor, mask: to
     ax.set_ylabel("negative-tail depth (nats)")
     ax.legend()
     ax.set_title(f"negative-tail depth per segment {label}".strip())
-    paths.append(out_dir / "tail_depth.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "tail_depth.png"))
 
     if advantages is not None:
         d = gaps.direction_shares(mu, pi, advantages, m, flip_margin=flip_margin)
@@ -56,8 +50,15 @@ def write_plots(logp_sampler: torch.Tensor, logp_learner: torch.Tensor, mask: to
         ax.set_xticks(range(len(keys)), ["A>0 g>=0", "A>0 g<0", "A<0 g>=0", "A<0 g<0", f"flip (>{flip_margin:g})"])
         ax.set_ylabel("share of tokens")
         ax.set_title(f"update-direction shares {label}".strip())
-        paths.append(out_dir / "directions.png")
-        fig.tight_layout()
-        fig.savefig(paths[-1], dpi=90)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "directions.png"))
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    """Write `fig` to `path` (PNG) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
