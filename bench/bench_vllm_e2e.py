@@ -8,7 +8,7 @@ subtracting the one-token run removes prefill and scheduling start-up. Layer cou
 table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
 layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
 
-    python3 bench/bench_vllm_e2e.py [--quick] [--mode compiled|graphs|eager] [--out FILE.json]
+    python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--out FILE.json]
 
 (on the H200 after `bash .gpu-vllm/install.sh`; results JSON under $OUT by default, ratio table printed)
 """
@@ -63,6 +63,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
+    ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of tests/gpu_scripts/checkpoints.py)")
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
@@ -77,7 +78,9 @@ def main() -> None:
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
-    for shape, layers in (QUICK if args.quick else FULL):
+    shapes = [(s, int(n)) for s, n in (x.split(":") for x in args.shapes.split(","))] if args.shapes else \
+        QUICK if args.quick else FULL
+    for shape, layers in shapes:
         path = build(tmp / shape, shape, seed=0, layers=layers)
         torch.cuda.empty_cache()
         entry = results["models"][shape] = {"layers": layers}

@@ -71,8 +71,8 @@ def run_vllm(model: Path, seqs: list[list[int]], quantization: str | None, out: 
     cpu = not torch.cuda.is_available()
     llm = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, max_model_len=1024, seed=0,
               enable_prefix_caching=False, max_num_batched_tokens=4096,
-              **({"kv_cache_memory_bytes": 1 << 30} if cpu else
-                 {"gpu_memory_utilization": 0.3, "attention_backend": "TRITON_ATTN"}), **kw)
+              kv_cache_memory_bytes=1 << 30,     # fixed: no memory profiling (other GPU processes may run)
+              **({} if cpu else {"gpu_memory_utilization": 0.3, "attention_backend": "TRITON_ATTN"}), **kw)
     llm.collective_rpc(engine_capture.install)
     result = {"logprobs": [], "acts": []}
     for s in seqs:

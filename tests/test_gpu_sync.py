@@ -23,13 +23,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
 
 # The trainer: its own process, tensors on the GPU, two buckets through CUDA IPC, then commit.
 TRAINER = """
-import json, sys, time, torch
+import json, pathlib, sys, time, torch
 from safetensors.torch import load_file
 from server.client import SamplerClient
 from server import ipc
 from server.wire import iter_entries
-url, token, path = sys.argv[1:4]
-tensors = {k: v.cuda() for k, v in load_file(path).items()}
+url, token, folder = sys.argv[1:4]
+tensors = {k: v.cuda() for f in sorted(pathlib.Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
 entries = list(iter_entries(tensors))
 names = [e.name for e in entries]
 _, probe = ipc.bucket(tensors, names[:1])
@@ -58,7 +58,7 @@ def test_cuda_ipc_buckets_from_a_trainer_process(tmp_path):
         v0, before = lp(c)
         assert before != expected
         out = subprocess.run([sys.executable, "-c", TRAINER, srv.url, TOKEN,
-                              str(models["b_nvfp4"] / "model.safetensors")],
+                              str(models["b_nvfp4"])],
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])

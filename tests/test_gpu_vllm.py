@@ -37,6 +37,7 @@ KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODES = ("eager", "graphs", "compiled")
 PATHS = ("ext", "rpc", "lw")
 PARALLEL = 7
+ANCHOR_MODES = ("eager", "compiled", "compiled_custom_ops")   # BF16 engines: what compilation alone changes
 MODE_MEAN_BOUND = 0.25  # mean |dlogp| compiled vs eager, prompt log-probs (measured 0.110 / 0.055, see test_modes_agree)
 
 
@@ -67,6 +68,8 @@ def runs(ckpts, tmp_path_factory):
             jobs[kind, mode, "updated"] = ["--model", old, "--mode", mode, "--new", new, "--old", old]
             jobs[kind, mode, "fresh"] = ["--model", new, "--mode", mode]
         jobs[kind, "compiled_custom_ops", "fresh"] = ["--model", old, "--mode", "compiled_custom_ops"]
+        for mode in ANCHOR_MODES:
+            jobs[kind, mode, "bf16"] = ["--model", old, "--mode", mode, "--quant", "bf16"]
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
         futures = {key: pool.submit(_run, args, d / f"{'_'.join(key)}.json", d / f"{'_'.join(key)}.log")
                    for key, args in jobs.items()}
@@ -124,11 +127,18 @@ def test_modes_agree(runs, kind):
     Bound: mean |dlogp| < MODE_MEAN_BOUND."""
     eager, graphs, compiled = (runs[kind, m, "updated"]["start"] for m in MODES)
     custom = runs[kind, "compiled_custom_ops", "fresh"]
-    assert "start" in custom, custom["errors"]
+    bf16 = {m: runs[kind, m, "bf16"] for m in ANCHOR_MODES}
+    for r in (custom, *bf16.values()):
+        assert "start" in r, r["errors"]
     assert torch.equal(_flat(graphs, "prompt_lp"), _flat(eager, "prompt_lp"))
     assert graphs["tokens"] == eager["tokens"]
-    for label, obs in (("default compiled", compiled), ("compiled, custom_ops=all", custom["start"])):
+    for label, mode, obs in (("default compiled", "compiled", compiled),
+                             ("compiled, custom_ops=all", "compiled_custom_ops", custom["start"])):
         diff = (_flat(obs, "prompt_lp") - _flat(eager, "prompt_lp")).abs()
-        print(f"{kind}: {label} vs eager: max |dlogp| {diff.max():.3e}, mean {diff.mean():.3e} over "
-              f"{diff.numel()} prompt tokens, greedy tokens equal {obs['tokens'] == eager['tokens']}")
+        anchor = (_flat(bf16[mode]["start"], "prompt_lp") - _flat(bf16["eager"]["start"], "prompt_lp")).abs()
+        print(f"{kind}: {label} vs eager: nvfp4_sampler max |dlogp| {diff.max():.3e}, mean {diff.mean():.3e}; "
+              f"BF16 engines max {anchor.max():.3e}, mean {anchor.mean():.3e} over {diff.numel()} prompt tokens; "
+              f"greedy tokens equal {obs['tokens'] == eager['tokens']}")
         assert diff.mean() < MODE_MEAN_BOUND, label
+        if anchor.max() == 0:   # compilation changed nothing around our ops: the same kernels ran
+            assert diff.max() == 0, f"{label}: BF16 engines equal eager bitwise, nvfp4_sampler does not"

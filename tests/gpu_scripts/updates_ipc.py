@@ -182,7 +182,7 @@ def main() -> None:
         step("rpc_bf16", lambda: rpc(weights_iterator=list(load_file(Path(args.new) / "model.safetensors").items())))
         step("rpc_restored", lambda: rpc(weights_path=args.old))
         partial = [("shard", f"{SHARD}.", True)]
-        if "num_experts" in json.loads((Path(args.old) / "config.json").read_text()):
+        if json.loads((Path(args.old) / "config.json").read_text())["model_type"].endswith("_moe"):
             partial.append(("expert", f"{EXPERT}.", False))
         for name, prefix, nvfp4 in partial:
             step(f"ipc_{name}", lambda: ipc(f"ipc_{name}", args.new, nvfp4=nvfp4, prefix=prefix))

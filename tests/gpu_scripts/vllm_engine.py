@@ -1,10 +1,11 @@
 """One real CUDA vLLM engine (one process) for tests/test_gpu_vllm.py; results as JSON.
 
   python -m tests.gpu_scripts.vllm_engine --model DIR --mode {eager,graphs,compiled,compiled_custom_ops} --out FILE.json
-         [--new DIR --old DIR]
+         [--new DIR --old DIR] [--quant {nvfp4_sampler,bf16}]
 
 Starts `LLM(DIR, quantization="nvfp4_sampler")` (online quantization of a BF16 checkpoint) in the given
-mode, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode runs it), and records
+mode (--quant bf16: the unquantized engine, the anchor of the modes comparison), in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocate mode runs it), and records
 `observe()`: prompt log-probs (prefill), greedy tokens and their log-probs (decode, which CUDA graphs
 replay in the graphs and compiled modes) -- twice (determinism). With --new/--old it then updates the
 weights in place, after graph capture, through each path, recording `observe()` on the new weights
@@ -81,8 +82,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--new", help="BF16 checkpoint folder to update to (after start)")
     ap.add_argument("--old", help="the folder the engine started from (restored after each update)")
+    ap.add_argument("--quant", choices=("nvfp4_sampler", "bf16"), default="nvfp4_sampler")
     args = ap.parse_args()
-    out: dict = {"mode": args.mode, "model": args.model, "errors": {}}
+    out: dict = {"mode": args.mode, "model": args.model, "quant": args.quant, "errors": {}}
 
     save, step = recorder(args.out, out)
 
@@ -91,7 +93,7 @@ def main() -> None:
     from vllm import LLM
 
     t0 = time.time()
-    llm = LLM(args.model, quantization="nvfp4_sampler", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
+    llm = LLM(args.model, quantization=None if args.quant == "bf16" else args.quant, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
               gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30, attention_backend="TRITON_ATTN", seed=0,
               enable_prefix_caching=False, worker_extension_cls=EXTENSION, **MODES[args.mode])
     out["start_seconds"] = round(time.time() - t0, 1)
