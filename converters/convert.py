@@ -154,6 +154,7 @@ class _Converter:
         self.summary = ConvertSummary()
         self._live = 0                       # bytes held by buckets + the current tensor
         specs = source.specs()
+        self._prechecked = specs is not None     # every output checked here; else as tensors arrive
         if specs is not None:
             for name, shape, dtype in specs:
                 for m in name_map.expand(name, shape, tied_embeddings=self.tied):
@@ -215,8 +216,9 @@ class _Converter:
             self.summary.bytes_in += value_nbytes(value)
             self._track(value_nbytes(value))
             maps = name_map.expand(src_name, shape, tied_embeddings=self.tied)
-            for m in maps:
-                self._check(m.name, _mapped_shape(shape, m), dtype)
+            if not self._prechecked:
+                for m in maps:
+                    self._check(m.name, _mapped_shape(shape, m), dtype)
             fused = None
             if len(maps) > 1 and (only is None or all(m.name in only for m in maps)):
                 fused = self._convert_fused(src_name, value, maps)
