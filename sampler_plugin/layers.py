@@ -37,27 +37,6 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 logger = logging.getLogger("nvfp4_sampler")
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantizedWeight:
-    """The three storage tensors of one NVFP4 weight (the engine's parameter data, written in place)."""
-
-    codes: torch.Tensor          # uint8 [*E, N, K/2]
-    block_scales: torch.Tensor   # float8_e4m3fn [*E, N, K/16]
-    global_scale: torch.Tensor   # float32 [*E, N] or [*E]
-
-    def nvfp4(self) -> NVFP4Tensor:
-        return NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
-
-    @property
-    def nbytes(self) -> int:
-        return self.nvfp4().nbytes
-
-    @property
-    def bf16_nbytes(self) -> int:
-        """Bytes of the same weight in BF16."""
-        return self.codes.numel() * 2 * 2
-
-
 class MemoryReport:
     """Bytes of the quantized weights vs the same weights in BF16; logged once all layers are processed.
 
@@ -76,7 +55,7 @@ class MemoryReport:
     def complete(self) -> bool:
         return self.created > 0 and self.processed == self.created
 
-    def processed_weight(self, w: QuantizedWeight) -> None:
+    def processed_weight(self, w: NVFP4Tensor) -> None:
         if not self.complete:
             self.nbytes += w.nbytes
             self.bf16_nbytes += w.bf16_nbytes
@@ -96,7 +75,7 @@ class MemoryReport:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Where checkpoint tensor `name` ([N, K] logical) lives in a QuantizedWeight.
+    """Where checkpoint tensor `name` ([N, K] logical) lives in a NVFP4Tensor.
 
     rows: rows of this rank's weight (of expert `expert` when stacked) that it fills;
     src_rows / src_cols: the rows and the K range of the checkpoint tensor this rank holds
@@ -134,7 +113,7 @@ def expert_shards(prefix: str, expert: int, *, hidden: int, inter: int, tp_rank:
 QKV_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}   # engines' string shard ids of a fused qkv layer
 
 
-def register_weight(module: torch.nn.Module, w: QuantizedWeight, loader, *, stem: str = "") -> None:
+def register_weight(module: torch.nn.Module, w: NVFP4Tensor, loader, *, stem: str = "") -> None:
     """Register w's tensors on `module` as frozen parameters `{stem}weight`, `{stem}weight_scale`,
     `{stem}weight_scale_2`, each tagged with its kind (`nvfp4_kind`) and the engine's `weight_loader`."""
     for kind, data in zip(KINDS, (w.codes, w.block_scales, w.global_scale)):
@@ -144,9 +123,9 @@ def register_weight(module: torch.nn.Module, w: QuantizedWeight, loader, *, stem
         module.register_parameter(f"{stem}{kind}", p)
 
 
-def module_weight(module: torch.nn.Module, *, stem: str = "") -> QuantizedWeight:
-    """The QuantizedWeight over the parameters `register_weight` put on `module`."""
-    return QuantizedWeight(*(getattr(module, f"{stem}{kind}").data for kind in KINDS))
+def module_weight(module: torch.nn.Module, *, stem: str = "") -> NVFP4Tensor:
+    """The NVFP4Tensor over the parameters `register_weight` put on `module`."""
+    return NVFP4Tensor(*(getattr(module, f"{stem}{kind}").data for kind in KINDS))
 
 
 def check_block_aligned(name: str, k: int) -> None:
@@ -159,12 +138,12 @@ def check_block_aligned(name: str, k: int) -> None:
 
 
 def create_weight(rows: int, k: int, *, experts: int | None = None, global_per_row: bool = True,
-                  device: torch.device | str | None = None, name: str = "weight") -> QuantizedWeight:
+                  device: torch.device | str | None = None, name: str = "weight") -> NVFP4Tensor:
     """Empty storage for [*E, rows, K]; scales start as NaN so a tensor never loaded is detectable."""
     check_block_aligned(name, k)
     lead = () if experts is None else (experts,)
     gs_shape = (*lead, rows) if global_per_row else lead
-    return QuantizedWeight(
+    return NVFP4Tensor(
         codes=torch.zeros((*lead, rows, k // 2), dtype=torch.uint8, device=device),
         block_scales=torch.full((*lead, rows, k // BLOCK), float("nan"), device=device).to(torch.float8_e4m3fn),
         global_scale=torch.full(gs_shape, float("nan"), dtype=torch.float32, device=device),
@@ -205,7 +184,7 @@ def _cols(src_cols: slice, per: int) -> slice:
     return slice(None if start is None else start // per, None if stop is None else stop // per)
 
 
-def _dst(dst: QuantizedWeight, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _dst(dst: NVFP4Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of codes, block_scales, global_scale that shard writes."""
     lead = () if shard.expert is None else (shard.expert,)
     per_row = dst.global_scale.dim() == dst.codes.dim() - 1
@@ -213,7 +192,7 @@ def _dst(dst: QuantizedWeight, shard: Shard) -> tuple[torch.Tensor, torch.Tensor
     return dst.codes[(*lead, shard.rows)], dst.block_scales[(*lead, shard.rows)], gs
 
 
-def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *, config: SamplerConfig) -> None:
+def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, config: SamplerConfig) -> None:
     """Write checkpoint tensor `shard.name.kind` (validated here) into its rows of dst, in place.
 
     A float `weight` is quantized with config.weight_recipe using the amax of the whole checkpoint
@@ -250,13 +229,13 @@ def write(dst: QuantizedWeight, shard: Shard, kind: str, tensor: torch.Tensor, *
         gs.copy_(tensor.reshape(()).expand_as(gs))
 
 
-def copy_shard(dst: QuantizedWeight, src: QuantizedWeight, shard: Shard) -> None:
+def copy_shard(dst: NVFP4Tensor, src: NVFP4Tensor, shard: Shard) -> None:
     """Copy shard's rows (codes, block scales, decode scales) from src into dst (same geometry)."""
     for d, s in zip(_dst(dst, shard), _dst(src, shard)):
         d.copy_(s)
 
 
-def read(src: QuantizedWeight, shard: Shard) -> dict[str, torch.Tensor]:
+def read(src: NVFP4Tensor, shard: Shard) -> dict[str, torch.Tensor]:
     """The checkpoint triplet of `shard` as this rank holds it: {kind: tensor} (inverse of `write`)."""
     codes, scales, gs = _dst(src, shard)
     return {"weight": codes.clone(), "weight_scale": scales.clone(), "weight_scale_2": gs.reshape(-1)[0].clone()}
@@ -317,7 +296,7 @@ def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.d
         raise type(e)(f"nvfp4_sampler: {name}: {e}") from None
 
 
-def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | None, config: SamplerConfig,
+def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, config: SamplerConfig,
                  backend: str | None = None, tp_group=None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM
     (`torch.ops.nvfp4_sampler.linear`).
@@ -342,7 +321,7 @@ def apply_linear(x: torch.Tensor, w: QuantizedWeight, *, bias: torch.Tensor | No
                                           scaling=config.activation_scaling, backend=backend)
 
 
-def apply_moe(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_weights: torch.Tensor,
+def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, config: SamplerConfig, backend: str | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] gate rows then up rows; w2 [E, H, I]; routing given -> [T, H]
     (`torch.ops.nvfp4_sampler.moe`). backend: as in `apply_linear`."""
@@ -356,7 +335,7 @@ def apply_moe(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_w
 class Target:
     """A reloadable checkpoint tensor group: an NVFP4 shard (weight + shard) or a plain tensor (param)."""
 
-    weight: QuantizedWeight | None = None
+    weight: NVFP4Tensor | None = None
     shard: Shard | None = None
     param: torch.Tensor | None = None
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import NVFP4Tensor
+
 from . import layers
 from .config import SamplerConfig
 from .policy import should_quantize
@@ -17,7 +19,7 @@ from .policy import should_quantize
 class NVFP4Linear(nn.Module):
     """y = x W^T + b with W [N, K] in NVFP4 and x quantized per config (per token by default)."""
 
-    def __init__(self, weight: layers.QuantizedWeight, bias: torch.Tensor | None, config: SamplerConfig):
+    def __init__(self, weight: NVFP4Tensor, bias: torch.Tensor | None, config: SamplerConfig):
         super().__init__()
         self.codes = nn.Parameter(weight.codes, requires_grad=False)
         self.block_scales = nn.Parameter(weight.block_scales, requires_grad=False)
@@ -35,8 +37,8 @@ class NVFP4Linear(nn.Module):
         layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)
         return cls(w, linear.bias, config)
 
-    def weight(self) -> layers.QuantizedWeight:
-        return layers.QuantizedWeight(self.codes, self.block_scales, self.global_scale)
+    def weight(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layers.apply_linear(x, self.weight(), bias=self.bias, config=self.config, backend=self.backend)
@@ -49,7 +51,7 @@ class NVFP4Experts(nn.Module):
     transformers experts module it replaces; routing stays the model's.
     """
 
-    def __init__(self, w13: layers.QuantizedWeight, w2: layers.QuantizedWeight, config: SamplerConfig):
+    def __init__(self, w13: NVFP4Tensor, w2: NVFP4Tensor, config: SamplerConfig):
         super().__init__()
         self.w13 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w13)])
         self.w2 = nn.ParameterList([nn.Parameter(t, requires_grad=False) for t in dataclass_tensors(w2)])
@@ -78,12 +80,12 @@ class NVFP4Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        w13, w2 = (layers.QuantizedWeight(*p) for p in (self.w13, self.w2))
+        w13, w2 = (NVFP4Tensor(*p) for p in (self.w13, self.w2))
         return layers.apply_moe(hidden_states, w13, w2, top_k_weights, top_k_index, config=self.config,
                                 backend=self.backend)
 
 
-def dataclass_tensors(w: layers.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dataclass_tensors(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return w.codes, w.block_scales, w.global_scale
 
 

@@ -158,7 +158,7 @@ class _Block(torch.nn.Module):
     def __init__(self, config: SamplerConfig):
         super().__init__()
         self.config = config
-        self.w1, self.w2 = (layers.QuantizedWeight(*(torch.nn.Parameter(t, requires_grad=False) for t in (
+        self.w1, self.w2 = (NVFP4Tensor(*(torch.nn.Parameter(t, requires_grad=False) for t in (
             w.codes, w.block_scales, w.global_scale.expand(w.codes.shape[0]).contiguous())))
             for w in (_weight(128, 64, seed=1, device="cpu"), _weight(64, 128, seed=2, device="cpu")))
         self.backend = layers.choose_backend(config, op="linear", name="block", device="cpu", k=64)
@@ -182,7 +182,7 @@ def test_compiled_moe_forward_equals_eager():
     """Router softmax/top-k in the compiled graph, experts through the MoE op (what an engine compiles)."""
     e, h, i = 4, 64, 32
     config = SamplerConfig()
-    w13, w2 = (layers.QuantizedWeight(*(w.codes, w.block_scales, w.global_scale)) for w in
+    w13, w2 = (NVFP4Tensor(*(w.codes, w.block_scales, w.global_scale)) for w in
                (_weight(2 * i, h, seed=1, device="cpu", experts=e), _weight(h, i, seed=2, device="cpu", experts=e)))
     router = torch.randn(e, h, generator=torch.Generator().manual_seed(3))
     backend = layers.choose_backend(config, op="moe", name="experts", device="cpu", k=h)

@@ -5,7 +5,6 @@ A row-parallel layer's rank holds a K-slice of every token. With the activation 
 slice of the unsharded (TP=1) quantization bit for bit; without it they do not. Outputs (partial
 GEMMs summed over ranks) equal TP=1 within FP32 summation-order tolerance.
 """
-import os
 import socket
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kernels import reference
+from kernels import NVFP4Tensor
 from sampler_plugin import layers
 from sampler_plugin.config import SamplerConfig
 
@@ -38,7 +38,7 @@ def _worker(rank: int, port: int, scaling: str, results: dict) -> None:
         x, w = _inputs()
         full_w = reference.quantize_weight(w)
         # this rank's K-slice of the checkpoint weight, as the loader writes it (16-block aligned)
-        w_r = layers.QuantizedWeight(_slice(full_w.codes, rank).contiguous(),
+        w_r = NVFP4Tensor(_slice(full_w.codes, rank).contiguous(),
                                      _slice(full_w.block_scales, rank).contiguous(),
                                      full_w.global_scale.expand(N).contiguous())
         cfg = SamplerConfig(activation_scaling=scaling, backend="reference")

@@ -13,6 +13,8 @@ import torch
 from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 from ..config import SamplerConfig
 
@@ -28,7 +30,7 @@ class UpdateTracking:
 
     memory: layers.MemoryReport
 
-    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+    def quantized_weights(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -43,7 +45,7 @@ class UpdateTracking:
 class ShardLoader:
     """`weight_loader` of an NVFP4 layer's parameters: one checkpoint tensor into its shard (`layers.write`).
 
-    locate(*args, **kwargs) -> (QuantizedWeight, Shard) from SGLang's loader arguments after
+    locate(*args, **kwargs) -> (NVFP4Tensor, Shard) from SGLang's loader arguments after
     (param, tensor); the update check (`updates.py`) calls it to validate a tensor without writing it.
     """
 
@@ -86,18 +88,18 @@ class NVFP4LinearMethod(UpdateTracking, LinearMethodBase):
         self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module) -> ShardLoader:
-        def locate(shard_id: str | int | None = None) -> tuple[layers.QuantizedWeight, layers.Shard]:
+        def locate(shard_id: str | int | None = None) -> tuple[NVFP4Tensor, layers.Shard]:
             index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
             return self.storage(layer), layer.nvfp4_tracker.shards[index]
         return ShardLoader(layer, self.config, locate)
 
     @staticmethod
-    def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
+    def storage(layer: torch.nn.Module) -> NVFP4Tensor:
         return layers.module_weight(layer)
 
-    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+    def quantized_weights(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         return [self.storage(layer)]
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = layers.QuantizedWeight(layer.weight, layer.weight_scale, layer.weight_scale_2)
+        w = NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2)
         return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend)

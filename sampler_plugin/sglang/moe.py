@@ -13,6 +13,8 @@ import torch
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 from ..config import SamplerConfig
 from .linear import ShardLoader, UpdateTracking
@@ -49,16 +51,16 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
         self.memory.add_layer()
 
     def _loader(self, layer: torch.nn.Module) -> ShardLoader:
-        def locate(weight_name: str, shard_id: str, expert_id: int) -> tuple[layers.QuantizedWeight, layers.Shard]:
+        def locate(weight_name: str, shard_id: str, expert_id: int) -> tuple[NVFP4Tensor, layers.Shard]:
             storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
             return storage, layer.nvfp4_shards[expert_id][shard_id]
         return ShardLoader(layer, self.config, locate)
 
     @staticmethod
-    def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
+    def storage(layer: torch.nn.Module) -> dict[str, NVFP4Tensor]:
         return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
 
-    def quantized_weights(self, layer: torch.nn.Module) -> list[layers.QuantizedWeight]:
+    def quantized_weights(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
         return list(self.storage(layer).values())
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
@@ -80,8 +82,8 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
         topk = dispatch_output.topk_output
-        w13 = layers.QuantizedWeight(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
-        w2 = layers.QuantizedWeight(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
+        w13 = NVFP4Tensor(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
+        w2 = NVFP4Tensor(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
         out = layers.apply_moe(dispatch_output.hidden_states, w13, w2, topk.topk_weights, topk.topk_ids,
                                config=self.config, backend=layer.nvfp4_backend)
         return StandardCombineInput(hidden_states=out)

@@ -12,6 +12,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig
 from ..policy import quantized_linear_shards, should_quantize
@@ -50,7 +52,7 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
             return LiveEmbeddingMethod()
         return None
 
-    def _on_processed(self, weights: tuple[layers.QuantizedWeight, ...]) -> None:
+    def _on_processed(self, weights: tuple[NVFP4Tensor, ...]) -> None:
         for w in weights:
             self.memory.processed_weight(w)
         self.memory.processed_layer()

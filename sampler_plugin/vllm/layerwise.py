@@ -25,10 +25,12 @@ import functools
 
 import torch
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 
 
-def complete_load(layer: torch.nn.Module, loaded: dict[str, layers.QuantizedWeight],
+def complete_load(layer: torch.nn.Module, loaded: dict[str, NVFP4Tensor],
                   shards: list[tuple[str, layers.Shard]], tracker: layers.LoadTracker) -> None:
     """A layer's post-load bookkeeping: keep what a reload did not send, check, start the next load.
 
@@ -54,7 +56,7 @@ def complete_load(layer: torch.nn.Module, loaded: dict[str, layers.QuantizedWeig
     tracker.reset()
 
 
-def records(layer: torch.nn.Module, name: str, storage: layers.QuantizedWeight) -> bool:
+def records(layer: torch.nn.Module, name: str, storage: NVFP4Tensor) -> bool:
     """Whether a tensor written into the layer's storage `name` counts for the post-load check: not on
     vLLM's meta counting pass, and not a direct write into the serving storage after the first load
     (`model.load_weights` on a running model, as TRL's colocate mode and verl call it, has no post-load

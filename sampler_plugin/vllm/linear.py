@@ -16,6 +16,8 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMethodBase, QKVParallelLinear,
                                                RowParallelLinear)
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 from ..config import SamplerConfig
 from .layerwise import abort_on_error, complete_load, records
@@ -90,7 +92,7 @@ class NVFP4LinearMethod(LinearMethodBase):
         return layer.nvfp4_tracker
 
     @staticmethod
-    def storage(layer: torch.nn.Module) -> layers.QuantizedWeight:
+    def storage(layer: torch.nn.Module) -> NVFP4Tensor:
         return layers.module_weight(layer)
 
     @abort_on_error
@@ -100,6 +102,6 @@ class NVFP4LinearMethod(LinearMethodBase):
         self.on_processed((loaded,))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = layers.QuantizedWeight(layer.weight, layer.weight_scale, layer.weight_scale_2)
+        w = NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2)
         return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend,
                                    tp_group=layer.nvfp4_tp_group)

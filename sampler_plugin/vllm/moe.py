@@ -14,6 +14,8 @@ import types
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
+from kernels import NVFP4Tensor
+
 from .. import layers
 from ..config import SamplerConfig
 from .layerwise import abort_on_error, complete_load, records
@@ -76,7 +78,7 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
         return types.MethodType(_load, layer)   # bound to the layer, as vLLM's layerwise reload expects
 
     @staticmethod
-    def storage(layer: torch.nn.Module) -> dict[str, layers.QuantizedWeight]:
+    def storage(layer: torch.nn.Module) -> dict[str, NVFP4Tensor]:
         return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
 
     @abort_on_error
@@ -94,6 +96,6 @@ class NVFP4MoEMethod(FusedMoEMethodBase):
               shared_experts, shared_experts_input) -> torch.Tensor:
         if shared_experts is not None:
             raise NotImplementedError("nvfp4_sampler: MoE layers with shared experts are not supported yet")
-        w13 = layers.QuantizedWeight(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
-        w2 = layers.QuantizedWeight(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
+        w13 = NVFP4Tensor(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
+        w2 = NVFP4Tensor(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
         return layers.apply_moe(x, w13, w2, topk_weights, topk_ids, config=self.config, backend=layer.nvfp4_backend)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kernels import NVFP4Tensor
 from sampler_plugin import layers
 from sampler_plugin.torch_modules import quantize_model
 
@@ -35,7 +36,7 @@ def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[st
             n, k = mod.codes.shape[0], mod.codes.shape[1] * 2
             targets[name] = layers.Target(weight=mod.weight(), shard=layers.Shard(name, (n, k), slice(0, n)))
             continue
-        w13, w2 = (layers.QuantizedWeight(*p) for p in (mod.w13, mod.w2))
+        w13, w2 = (NVFP4Tensor(*p) for p in (mod.w13, mod.w2))
         experts, hidden, inter = w2.codes.shape[0], w2.codes.shape[1], w2.codes.shape[2] * 2
         for e in range(experts):
             for sid, shard in layers.expert_shards(name, e, hidden=hidden, inter=inter).items():
