@@ -592,7 +592,13 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
 
 GEMV_MAX_M = 4           # the dispatcher's gemv path; the kernel itself serves M <= GEMV_KERNEL_MAX_M
 GEMV_KERNEL_MAX_M = 16
-FUSED_MAX_M = 4          # up to this M the gemv kernel quantizes the activation in its own launch
+# The gemv quantizes the activation in its own launch for one token and weights of at most
+# FUSED_MAX_ELEMENTS: each of its programs re-reads the row for the amax, which costs more than a
+# second launch for larger N x K or M (H200, docs/BENCHMARKS.md: fused 8.6 / 7.6 us vs 10.5 / 8.9 us
+# separate on 5120x2048 / 2048x4096; 11.8-30.6 vs 10.7-28.6 us on the 8B shapes, >= 4096x4096; M = 4
+# up to 58 vs 36 us)
+FUSED_MAX_M = 1
+FUSED_MAX_ELEMENTS = 12 << 20
 # (BLOCK_N, BLOCK_B) by padded M: per step a thread holds few (n, block) pairs for M <= 4 so the
 # activation decode is shared by 4 weight rows; fewer for larger M (registers: 128-170, sm_90)
 _GEMV_TILES = {1: (64, 16), 2: (64, 16), 4: (64, 16), 8: (32, 4), 16: (32, 8)}
@@ -623,8 +629,8 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
 
     scaling "per_token" / "per_tensor"; amax: override, fp32 [M] per token or [] per tensor.
     fused: quantize x inside the GEMM launch (one launch) or with `triton_quant` first (two);
-    None: fused for M <= FUSED_MAX_M. use_asm: packed FP16 inline PTX (GPU default) or portable
-    fp32 arithmetic (same values; the CPU interpreter's path)."""
+    None: fused for M <= FUSED_MAX_M and N * K <= FUSED_MAX_ELEMENTS. use_asm: packed FP16 inline
+    PTX (GPU default) or portable fp32 arithmetic (same values; the CPU interpreter's path)."""
     m, n = out.shape
     k = x.shape[-1]
     if x.dim() != 2 or m != x.shape[0] or m > GEMV_KERNEL_MAX_M or w.codes.dim() != 2 or w.shape[-1] != k:
@@ -632,7 +638,7 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
                          f"w {tuple(w.shape)}, out {tuple(out.shape)}")
     if not w.codes.is_contiguous() or x.stride(-1) != 1:
         raise ValueError("gemv reads w.codes as contiguous int64 blocks and x rows with unit column stride")
-    fused = m <= FUSED_MAX_M if fused is None else fused
+    fused = m <= FUSED_MAX_M and n * k <= FUSED_MAX_ELEMENTS if fused is None else fused
     cfg = dict(config or gemv_config(m, n, k))
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     ws = cnt = None
