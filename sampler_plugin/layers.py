@@ -58,7 +58,7 @@ class MemoryReport:
     def processed_weight(self, w: NVFP4Tensor) -> None:
         if not self.complete:
             self.nbytes += w.nbytes
-            self.bf16_nbytes += w.bf16_nbytes
+            self.bf16_nbytes += w.shape.numel() * 2            # the same weight in BF16
 
     def processed_layer(self) -> None:
         if self.complete:
