@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -113,33 +112,12 @@ class SamplerClient:
         return UpdateStatus.model_validate(self._call("GET", f"/v1/weights/updates/{update_id}").json())
 
     def send(self, update_id: str, body: Iterable[bytes | memoryview]) -> UpdateStatus:
-        """Stream one body of frames (chunked transfer). To the sidecar's data-plane port when it
-        announced one: over a plain socket, each buffer handed to the kernel with sendmsg (no copy on
-        this side; payloads land in the staging area without copies there); else the main port
-        through httpx. A connection lost mid-body raises ConnectionError (`push` then resumes)."""
+        """Stream one body of frames (chunked transfer), to the sidecar's data-plane port when it
+        announced one (payloads land in the staging area without copies there), else the main port."""
         path, port = f"/v1/weights/updates/{update_id}/body", self._data_ports.get(update_id)
-        if not port:
-            r = self._call("PUT", path, content=_bytes(body), headers={"Content-Type": FRAMES_CONTENT_TYPE})
-            return UpdateStatus.model_validate(r.json())
-        host = self.http.base_url.host
-        head = (f"PUT {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {FRAMES_CONTENT_TYPE}\r\n"
-                f"Transfer-Encoding: chunked\r\n" + "".join(f"{k}: {v}\r\n" for k, v in self.http.headers.items()
-                                                          if k.lower() == "authorization") + "\r\n")
-        with socket.create_connection((host, port), timeout=self.http.timeout.read) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            cut = _send_all(sock, [head.encode()])
-            for b in _bytes(body):                  # errors of the body's producer propagate unchanged
-                cut = cut or _send_all(sock, [b"%x\r\n" % len(b), b, b"\r\n"])
-                if cut:
-                    break
-            cut = cut or _send_all(sock, [b"0\r\n\r\n"])
-            answer = _read_answer(sock)             # also after a cut: an early answer (e.g. 401) explains it
-        if answer is None:
-            raise ConnectionError(f"data-plane connection to port {port} lost: {cut or 'no answer'}")
-        status, data = answer
-        if status >= 400:
-            raise SidecarError(status, str(data.get("detail", data)))
-        return UpdateStatus.model_validate(data)
+        url = self.http.base_url.copy_with(port=port, raw_path=path.encode()) if port else path
+        r = self._call("PUT", url, content=_bytes(body), headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        return UpdateStatus.model_validate(r.json())
 
     def send_ipc(self, update_id: str, tensors: Tensors, names: list[str] | None = None) -> UpdateStatus:
         """Stage one bucket through shared memory (same host): the entries `names` of checkpoint-named
@@ -190,7 +168,7 @@ class SamplerClient:
                 try:
                     with pipeline as buckets:
                         st = self.send(st.update_id, _bucket_frames(buckets, plan.entries, bar))
-                except (httpx.TransportError, ConnectionError, TimeoutError, SidecarError) as e:
+                except (httpx.TransportError, SidecarError) as e:
                     if isinstance(e, SidecarError) and e.status < 500 and e.status not in (408, 409):
                         raise
                     if attempt == self.retries:
@@ -212,39 +190,6 @@ class SamplerClient:
             raise
         finally:
             bar.close()
-
-
-def _send_all(sock: socket.socket, bufs: list[bytes | memoryview]) -> OSError | None:
-    """sendmsg until every byte of `bufs` is in the kernel (a call may take only part of them);
-    the socket error instead of raising it."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    try:
-        while views:
-            sent = sock.sendmsg(views)
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
-    except OSError as e:
-        return e
-    return None
-
-
-def _read_answer(sock: socket.socket) -> tuple[int, dict] | None:
-    """(status, JSON body) of the data-plane port's answer (it closes after answering); None if the
-    connection ended without a complete one."""
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except OSError:
-        pass
-    head, sep, body = bytes(data).partition(b"\r\n\r\n")
-    try:
-        return int(head.split(b" ", 2)[1]), json.loads(body)
-    except (IndexError, ValueError):
-        return None
 
 
 def _bytes(body: Iterable[bytes | memoryview], *, min_chunk: int = 1 << 20) -> Iterator[bytes | memoryview]:
