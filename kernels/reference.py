@@ -97,10 +97,9 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes in [0, 15] (unpacked) -> float32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
+    """uint8 codes in [0, 15] (unpacked) -> float32 values (bit 3 is the sign: 8 is -0.0)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table.index_select(0, codes.flatten().int()).view(codes.shape)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
