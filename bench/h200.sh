@@ -24,7 +24,7 @@ step() {   # step NAME: its timeout (s) and command
     case $1 in
     kernels)   limit=150; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
-    vllm)      limit=400; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
+    vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
     updates)   limit=240; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
     sync)      limit=120; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_sync.py" ;;
     numerics)  limit=150; cmd="python3 bench/engine_numerics.py all --out /tmp/engine --seqs 4 --len 128" ;;
