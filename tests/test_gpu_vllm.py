@@ -105,7 +105,7 @@ def _assert_same(a: dict, b: dict, label: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_starts_generates_and_is_deterministic(runs, kind, mode):
-    for which in ("updated", "fresh"):
+    for which in ("updated", "fresh", "fresh2") if mode == "compiled" else ("updated", "fresh"):
         r = runs[kind, mode, which]
         assert "start" in r and not {"start", "repeat", "process"} & set(r["errors"]), r["errors"]
         assert r["backends"] == ["triton_hopper"]
