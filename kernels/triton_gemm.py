@@ -667,8 +667,9 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
     return out
 
 
-PAIRED_MAX_PAIRS = 128   # MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort);
-#                          H200 (docs/BENCHMARKS.md): pairs 174 us vs grouped 321 us at 16 tokens x top-8, 624 vs 458 at 64
+# MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort); H200
+# (docs/BENCHMARKS.md): pairs 174 us vs grouped 321 us at 16 tokens x top-8, 624 vs 458 us at 64
+PAIRED_MAX_PAIRS = 128
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,

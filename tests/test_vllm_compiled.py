@@ -29,8 +29,8 @@ engine on those weights exactly as in one updated to them (measured; the update 
 With the dynamo-only backend (VLLM_CPU_CI_ENV=1) every probe matches, so inductor's code is what
 differs; the likely mechanism (not isolated per op): its fused float32 ops round an activation an
 ulp away from eager's, and when that moves a token's amax, its per-token scale S_enc and then many
-of its E2M1 codes change. Eager engines match the reference on every probe. So compiled engines are compared with compiled engines, eager with the
-reference.
+of its E2M1 codes change. Eager engines match the reference on every probe. So compiled engines
+are compared with compiled engines, eager ones with the reference.
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_compiled.py
 """
 from __future__ import annotations

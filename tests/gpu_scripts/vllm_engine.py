@@ -93,9 +93,10 @@ def main() -> None:
     from vllm import LLM
 
     t0 = time.time()
-    llm = LLM(args.model, quantization=None if args.quant == "bf16" else args.quant, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
-              gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30, attention_backend="TRITON_ATTN", seed=0,
-              enable_prefix_caching=False, worker_extension_cls=EXTENSION, **MODES[args.mode])
+    llm = LLM(args.model, quantization=None if args.quant == "bf16" else args.quant, dtype="bfloat16",
+              skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30,
+              attention_backend="TRITON_ATTN", seed=0, enable_prefix_caching=False, worker_extension_cls=EXTENSION,
+              **MODES[args.mode])
     out["start_seconds"] = round(time.time() - t0, 1)
     config = llm.llm_engine.vllm_config.compilation_config
     out["compilation"] = {"mode": str(config.mode), "cudagraph_mode": str(config.cudagraph_mode)}
