@@ -21,6 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--recipe", choices=("1d", "2d"), default="1d",
                    help="weight block recipe of the learner: 1d = 1x16 blocks, 2d = 16x16 tiles "
                         "(TransformerEngine NVFP4BlockScaling); default 1d")
+    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
+                   help="quantizer float-op order: vllm (default, the spec) or te (TransformerEngine's, bit "
+                        "for bit; also makes the sampler quantize activations TE's way)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="write N pre-sharded tensor-parallel rank folders DST/rank-00 ... (default 1: unsharded)")
     p.add_argument("--keep-bf16", default="", metavar="PREFIXES",
@@ -42,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     try:
-        options = ConvertOptions(recipe=args.recipe, tp=args.tp, device=args.device, bucket_bytes=args.bucket_bytes,
+        options = ConvertOptions(recipe=args.recipe, op_order=args.op_order, tp=args.tp, device=args.device,
+                                 bucket_bytes=args.bucket_bytes,
                                  keep_bf16=tuple(p for p in args.keep_bf16.split(",") if p),
                                  report=not args.no_report)
         source = SafetensorsFolder(args.src)

@@ -42,6 +42,9 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
     """recipe: the learner's weight recipe, "1d" (1x16 blocks) or "2d" (16x16 tiles, TE's).
+    op_order: the quantizers' float-op order, "vllm" (the spec) or "te" (TransformerEngine's, bit
+      for bit); written into the checkpoint's quantization_config, so the sampler quantizes its
+      activations the same way.
     keep_bf16: module-name prefixes left in BF16 (on top of lm_head, embeddings, routers).
     tp: write the checkpoint pre-sharded for this many tensor-parallel ranks (files only).
     device: where tensors are converted and output ("cpu", "cuda", "cuda:1"); None (default): on the
@@ -53,6 +56,7 @@ class ConvertOptions:
     """
 
     recipe: str = "1d"
+    op_order: str = "vllm"
     keep_bf16: tuple[str, ...] = ()
     tp: int = 1
     device: str | None = None
@@ -67,11 +71,12 @@ class ConvertOptions:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-        self.sampler_config()   # validates recipe and keep_bf16
+        self.sampler_config()   # validates recipe, op_order and keep_bf16
 
     def sampler_config(self) -> SamplerConfig:
         """The quantization_config written with the converted weights."""
-        return SamplerConfig(weight_recipe=self.recipe, keep_bf16=self.keep_bf16, prequantized=True)
+        return SamplerConfig(weight_recipe=self.recipe, op_order=self.op_order, keep_bf16=self.keep_bf16,
+                             prequantized=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +250,8 @@ class _Converter:
         w = value if self.device is None else value.to(self.device)
         w = w.reshape(-1, rows.stop - rows.start, w.shape[-1])                  # [E * parts, R, C]
         try:
-            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, backend=self.options.backend)
+            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, op_order=self.options.op_order,
+                                            backend=self.options.backend)
         except ValueError as e:
             raise ValueError(f"{src_name}: {str(e).removeprefix('weight: ')}") from e
         groups = []
@@ -281,7 +287,8 @@ class _Converter:
         else:
             w = value if self.device is None else value.to(self.device)
             try:
-                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, backend=self.options.backend)
+                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, op_order=self.options.op_order,
+                                            backend=self.options.backend)
             except ValueError as e:
                 raise ValueError(f"{name}: {str(e).removeprefix('weight: ')}") from e
             report = self._quant_report(name, w, q) if self.options.report else None

@@ -4,7 +4,8 @@ A backend is a class with
   is_supported(device) -> (ok, reason)       can it run on this device at all (libraries, hardware)
   can_implement(req) -> (ok, reason)         can it compute this layer (`Requirements`: op, scaling,
                                              activation amax override, shape)
-and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`). `choose_backend` runs once
+and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`), each taking the
+quantizer's `op_order` ("vllm", the spec, or "te": `kernels.reference`). `choose_backend` runs once
 per layer when an engine creates or loads its weights: it walks PRIORITY (or honours a forced name)
 and fails with every collected reason; the torch reference is always supported and always last. A
 forced backend that cannot run raises instead of falling back. The chosen *name* is stored on the
@@ -72,24 +73,26 @@ class ReferenceBackend:
         return (ok, reason) if not ok else (True, "the reference implements every op")
 
     @staticmethod
-    def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None,
+                        op_order: str = "vllm") -> NVFP4Tensor:
         quantizer = cpu_quant if w.device.type == "cpu" else reference
-        return quantizer.quantize_weight(w, recipe=recipe, amax=amax)
+        return quantizer.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
     @staticmethod
-    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
-        return reference.quantize_activations(x, scaling=scaling, amax=amax)
+    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None,
+                             op_order: str = "vllm") -> NVFP4Tensor:
+        return reference.quantize_activations(x, scaling=scaling, amax=amax, op_order=op_order)
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
-               amax: torch.Tensor | None = None) -> torch.Tensor:
+               amax: torch.Tensor | None = None, op_order: str = "vllm") -> torch.Tensor:
         x, bad = _split_nonfinite(x, per_token=scaling == "per_token")
-        return _poison(reference.linear(x, w, bias=bias, scaling=scaling, amax=amax), bad)
+        return _poison(reference.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order), bad)
 
     @staticmethod
-    def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    def moe(x, w13, w2, topk_weights, topk_ids, *, op_order: str = "vllm") -> torch.Tensor:
         x, bad = _split_nonfinite(x, per_token=True)
-        return _poison(reference.moe(x, w13, w2, topk_weights, topk_ids), bad)
+        return _poison(reference.moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order), bad)
 
 
 def _split_nonfinite(x: torch.Tensor, *, per_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,27 +138,29 @@ class TritonHopperBackend:
         return (ok, reason) if not ok else (True, "the Triton kernels implement every op (amax override included)")
 
     @staticmethod
-    def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None,
+                        op_order: str = "vllm") -> NVFP4Tensor:
         from . import triton_quant
-        return triton_quant.quantize_weight(w, recipe=recipe, amax=amax)
+        return triton_quant.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
     @staticmethod
-    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None,
+                             op_order: str = "vllm") -> NVFP4Tensor:
         from . import triton_quant
         if scaling == "per_tensor":
-            return triton_quant.quantize_per_tensor(x, amax=amax)
-        return triton_quant.quantize_per_token(x, amax=amax)
+            return triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order)
+        return triton_quant.quantize_per_token(x, amax=amax, op_order=op_order)
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
-               amax: torch.Tensor | None = None) -> torch.Tensor:
+               amax: torch.Tensor | None = None, op_order: str = "vllm") -> torch.Tensor:
         from . import triton_gemm
-        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax)
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
 
     @staticmethod
-    def moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    def moe(x, w13, w2, topk_weights, topk_ids, *, op_order: str = "vllm") -> torch.Tensor:
         from . import triton_moe
-        return triton_moe.moe(x, w13, w2, topk_weights, topk_ids)
+        return triton_moe.moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order)
 
 
 BACKENDS: dict[str, type] = {"triton_hopper": TritonHopperBackend, "reference": ReferenceBackend}
@@ -188,27 +193,30 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token", amax: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+           scaling: str = "per_token", amax: torch.Tensor | None = None, op_order: str = "vllm",
+           backend: str = "auto") -> torch.Tensor:
     """W4A4 linear outside engines (tests, tools). x [..., K] bf16/fp16/fp32; w [N, K] NVFP4
     (global_scale [] or [N]) -> [..., N] x.dtype. backend "auto" probes here; engines call
     `kernels.ops` with the name chosen at load instead.
 
     amax: optional activation amax override, fp32 [...] per token or [] per tensor (see
-    `reference.quantize_activations`); None lets the backend reduce x itself.
+    `reference.quantize_activations`); None lets the backend reduce x itself. op_order: the
+    activation quantizer's, "vllm" or "te".
     """
     req = Requirements("linear", scaling=scaling, amax_override=amax is not None, k=x.shape[-1])
-    return choose_backend(x.device, backend, req=req).linear(x, w, bias=bias, scaling=scaling, amax=amax)
+    return choose_backend(x.device, backend, req=req).linear(x, w, bias=bias, scaling=scaling, amax=amax,
+                                                             op_order=op_order)
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+        topk_ids: torch.Tensor, *, op_order: str = "vllm", backend: str = "auto") -> torch.Tensor:
     """W4A4 SwiGLU MoE outside engines (routing done by the caller); shapes as `reference.moe`."""
     req = Requirements("moe", k=x.shape[-1])
-    return choose_backend(x.device, backend, req=req).moe(x, w13, w2, topk_weights, topk_ids)
+    return choose_backend(x.device, backend, req=req).moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order)
 
 
 def quantize_weight_on(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                       backend: str = "auto") -> NVFP4Tensor:
+                       op_order: str = "vllm", backend: str = "auto") -> NVFP4Tensor:
     """quantize_weight on w's device through the chosen backend (bit-identical to the reference).
     A load-time operation (it probes the backend)."""
-    return choose_backend(w.device, backend).quantize_weight(w, recipe=recipe, amax=amax)
+    return choose_backend(w.device, backend).quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)

@@ -26,7 +26,7 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("nvfp4_sampler::linear", mutates_args=())
 def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
-           amax: Optional[Tensor], *, scaling: str, backend: str) -> Tensor:
+           amax: Optional[Tensor], *, scaling: str, op_order: str, backend: str) -> Tensor:
     """W4A4 linear: quantize x per `scaling`, multiply by the NVFP4 weight, add bias.
 
     Parameters
@@ -42,6 +42,8 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
         tensor-parallel all-reduced amax of a row-parallel layer); None: the backend reduces x.
     scaling : str
         "per_token" or "per_tensor".
+    op_order : str
+        The activation quantizer's float-op order: "vllm" (the spec) or "te" (TransformerEngine).
     backend : str
         A `kernels.dispatch.BACKENDS` name, chosen at load.
 
@@ -51,18 +53,18 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
         [..., N] in x.dtype.
     """
     w = NVFP4Tensor(codes, block_scales, global_scale)
-    return dispatch.BACKENDS[backend].linear(x, w, bias=bias, scaling=scaling, amax=amax)
+    return dispatch.BACKENDS[backend].linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
 
 
 @linear.register_fake
-def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, backend):
+def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, op_order, backend):
     return x.new_empty((*x.shape[:-1], codes.shape[-2]))
 
 
 @torch.library.custom_op("nvfp4_sampler::moe", mutates_args=())
 def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
         w2_block_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor, *,
-        backend: str) -> Tensor:
+        op_order: str, backend: str) -> Tensor:
     """W4A4 SwiGLU experts with per-token activations; routing already done by the caller.
 
     Parameters
@@ -78,6 +80,8 @@ def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale
         [T, k] float, the router weights of each token's experts.
     topk_ids : Tensor
         [T, k] int, expert ids.
+    op_order : str
+        The per-token activation quantizer's float-op order: "vllm" or "te".
     backend : str
         A `kernels.dispatch.BACKENDS` name, chosen at load.
 
@@ -88,17 +92,17 @@ def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale
     """
     w13 = NVFP4Tensor(w13_codes, w13_block_scales, w13_global_scale)
     w2 = NVFP4Tensor(w2_codes, w2_block_scales, w2_global_scale)
-    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids)
+    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order)
 
 
 @moe.register_fake
 def _moe_fake(x, w13_codes, w13_block_scales, w13_global_scale, w2_codes, w2_block_scales, w2_global_scale,
-              topk_weights, topk_ids, *, backend):
+              topk_weights, topk_ids, *, op_order, backend):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("nvfp4_sampler::quantize_activations", mutates_args=())
-def quantize_activations(x: Tensor, amax: Optional[Tensor], *, scaling: str,
+def quantize_activations(x: Tensor, amax: Optional[Tensor], *, scaling: str, op_order: str,
                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """NVFP4 activation quantization (per token: every row its own second-level scale).
 
@@ -110,6 +114,8 @@ def quantize_activations(x: Tensor, amax: Optional[Tensor], *, scaling: str,
         Second-level amax override: float32 [...] per token or [] per tensor; None: max|x|.
     scaling : str
         "per_token" or "per_tensor".
+    op_order : str
+        "vllm" (the spec) or "te" (TransformerEngine's float-op order).
     backend : str
         A `kernels.dispatch.BACKENDS` name.
 
@@ -122,12 +128,12 @@ def quantize_activations(x: Tensor, amax: Optional[Tensor], *, scaling: str,
     global_scale : Tensor
         float32 [...] per token, [] per tensor (decode direction, amax / 2688).
     """
-    q = dispatch.BACKENDS[backend].quantize_activations(x, scaling=scaling, amax=amax)
+    q = dispatch.BACKENDS[backend].quantize_activations(x, scaling=scaling, amax=amax, op_order=op_order)
     return q.codes, q.block_scales, q.global_scale
 
 
 @quantize_activations.register_fake
-def _quantize_activations_fake(x, amax, *, scaling, backend):
+def _quantize_activations_fake(x, amax, *, scaling, op_order, backend):
     lead = x.shape[:-1]
     k = x.shape[-1]
     return (x.new_empty((*lead, k // 2), dtype=torch.uint8),

@@ -289,29 +289,32 @@ def nvfp4_gemm(a: NVFP4Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = No
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
-           scaling: str = "per_token", amax: torch.Tensor | None = None, accumulate: str = "fp32") -> torch.Tensor:
+           scaling: str = "per_token", amax: torch.Tensor | None = None, accumulate: str = "fp32",
+           op_order: str = "vllm") -> torch.Tensor:
     """W4A4 linear: x [..., K] (float) quantized per token, times w [N, K] -> [..., N] in x.dtype.
 
     amax: optional activation amax as in `quantize_activations` (fp32 [...] or []).
     accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant).
+    op_order: the activation quantizer's, "vllm" (default) or "te".
     """
     if amax is not None and scaling == "per_token":
         amax = amax.reshape(-1)
-    a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling, amax=amax)
+    a = quantize_activations(x.reshape(-1, x.shape[-1]), scaling=scaling, amax=amax, op_order=op_order)
     return nvfp4_gemm(a, w, bias=bias, out_dtype=x.dtype, accumulate=accumulate).reshape(*x.shape[:-1], w.shape[0])
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, *, accumulate: str = "fp32") -> torch.Tensor:
+        topk_ids: torch.Tensor, *, accumulate: str = "fp32", op_order: str = "vllm") -> torch.Tensor:
     """W4A4 SwiGLU MoE with per-token activations. Routing is done by the caller.
-    accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant).
+    accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant). op_order: the activation
+    quantizer's, "vllm" (default) or "te".
 
     x [T, H] float; w13 [E, 2I, H] (gate rows then up rows, global_scale [E]); w2 [E, H, I];
     topk_weights [T, k] float; topk_ids [T, k] int. Returns [T, H] in x.dtype.
     Each token is quantized once for w13; the SwiGLU output of each (token, expert) pair is
     quantized per row for w2; expert outputs are summed in fp32 weighted by topk_weights.
     """
-    a = quantize_per_token(x)
+    a = quantize_per_token(x, op_order=op_order)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w13.shape[1] // 2
     for e in topk_ids.unique().tolist():
@@ -319,7 +322,8 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         we13 = _expert(w13, e)
         h = nvfp4_gemm(_rows(a, tok), we13, out_dtype=torch.float32, accumulate=accumulate)   # [t, 2I]
         act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-        y = nvfp4_gemm(quantize_per_token(act), _expert(w2, e), out_dtype=torch.float32, accumulate=accumulate)
+        y = nvfp4_gemm(quantize_per_token(act, op_order=op_order), _expert(w2, e), out_dtype=torch.float32,
+                       accumulate=accumulate)
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 

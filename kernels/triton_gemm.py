@@ -26,8 +26,6 @@ the router weight.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +34,6 @@ from . import triton_quant
 from .format import NVFP4Tensor
 
 PACKED_MAX_M = 64
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
 _DECODE_LO = tl.constexpr("""{
@@ -324,12 +321,13 @@ def _load_x(x, stride_xm, rows64, rmask, b0, b_end, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _quantize_blocks(xb, s_enc):
-    """The spec's per-token quantizer (`triton_quant._quantize_tile`) on xb fp32 [R, BB, 16] with
-    S_enc [R] -> codes as int64 blocks [R, BB] and e4m3 scales as fp32 [R, BB]."""
+def _quantize_blocks(xb, s_enc, TE: tl.constexpr, PER_ROW: tl.constexpr):
+    """The spec's quantizer (`triton_quant._quantize_tile`, op order TE, per-row element scales
+    PER_ROW) on xb fp32 [R, BB, 16] with S_enc [R] -> codes as int64 blocks [R, BB] and e4m3
+    scales as fp32 [R, BB]."""
     R: tl.constexpr = xb.shape[0]
     BB: tl.constexpr = xb.shape[1]
-    packed, scale, _ = triton_quant._quantize_tile(xb, tl.max(tl.abs(xb), axis=2), s_enc)
+    packed, scale, _ = triton_quant._quantize_tile(xb, tl.max(tl.abs(xb), axis=2), s_enc, TE, PER_ROW)
     byte_shift = (tl.arange(0, 8) * 8).to(tl.int64)
     blk = tl.sum(tl.reshape(packed, (R, BB, 8)).to(tl.int64) << byte_shift[None, None, :], axis=2)
     return blk, scale.to(tl.float32)
@@ -347,6 +345,7 @@ def _w4a4_gemv_kernel(
     AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
     FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+    TE: tl.constexpr,                          # FUSED quantization in TransformerEngine's op order
 ):
     """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
     memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
@@ -399,7 +398,9 @@ def _w4a4_gemv_kernel(
                 row_amax = tl.maximum(row_amax, tl.max(tl.max(tl.abs(xa), axis=2), axis=1))
             if PER_TENSOR:
                 row_amax = tl.zeros((M_PAD,), dtype=tl.float32) + tl.max(row_amax, axis=0)
-        s_enc = triton_quant._s_enc_from_amax(row_amax)                     # [M_PAD]
+        if not PER_TENSOR:
+            row_amax = triton_quant._row_amax_floor(row_amax, TE)
+        s_enc = triton_quant._s_enc_from_amax(row_amax, TE)                 # [M_PAD]
         a_g = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
         x0 = _load_x(x, stride_xm, arow, rmask, b_lo, b_hi, BLOCK_B)
         x1 = _load_x(x, stride_xm, arow, rmask, b_lo + BLOCK_B, b_hi, BLOCK_B)
@@ -411,7 +412,7 @@ def _w4a4_gemv_kernel(
         w_c2, w_s2 = _load_blocks(w_codes64, w_scales, wrow, cmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
         if FUSED:
             x2 = _load_x(x, stride_xm, arow, rmask, b0 + 2 * BLOCK_B, b_hi, BLOCK_B)
-            a_c, a_s = _quantize_blocks(x0, s_enc)
+            a_c, a_s = _quantize_blocks(x0, s_enc, TE, not PER_TENSOR)
             x0, x1 = x1, x2
         else:
             a_c2, a_s2 = _load_blocks(a_codes64, a_scales, arow, rmask, b0 + 2 * BLOCK_B, b_hi, NB, BLOCK_B)
@@ -547,7 +548,7 @@ def _gs_strides(gs: torch.Tensor, rows_dim: int) -> tuple[int, int]:
 def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: torch.Tensor | None = None,
                 schedule: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 row_weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                swiglu: bool = False, config: dict | None = None, use_asm: bool = not _INTERPRET) -> torch.Tensor:
+                swiglu: bool = False, config: dict | None = None, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """out [R, N] = epilogue(deq(a)[rows] @ deq(w[e]).T) with the packed kernel.
 
     a: [Ma, K] per-token (global_scale [Ma]) or per-tensor ([]) NVFP4. w: [N, K] or experts
@@ -622,15 +623,17 @@ def gemv_config(m: int, n: int, k: int, *, block_n: int | None = None, block_b: 
 
 
 def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
-                     scaling: str = "per_token", amax: torch.Tensor | None = None, fused: bool | None = None,
-                     config: dict | None = None, use_asm: bool = not _INTERPRET) -> torch.Tensor:
+                     scaling: str = "per_token", amax: torch.Tensor | None = None, op_order: str = "vllm",
+                     fused: bool | None = None, config: dict | None = None,
+                     use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """out [M, N] = linear of x [M, K] (float, unit column stride; M <= GEMV_KERNEL_MAX_M) with w [N, K]
     NVFP4 (global_scale [] or [N], codes contiguous), exact packed-FP16 block dots.
 
-    scaling "per_token" / "per_tensor"; amax: override, fp32 [M] per token or [] per tensor.
-    fused: quantize x inside the GEMM launch (one launch) or with `triton_quant` first (two);
-    None: fused for M <= FUSED_MAX_M and N * K <= FUSED_MAX_ELEMENTS. use_asm: packed FP16 inline
-    PTX (GPU default) or portable fp32 arithmetic (same values; the CPU interpreter's path)."""
+    scaling "per_token" / "per_tensor"; amax: override, fp32 [M] per token or [] per tensor;
+    op_order: the activation quantizer's, "vllm" or "te" (`reference`). fused: quantize x inside
+    the GEMM launch (one launch) or with `triton_quant` first (two); None: fused for
+    M <= FUSED_MAX_M and N * K <= FUSED_MAX_ELEMENTS. use_asm: packed FP16 inline PTX (GPU default)
+    or portable fp32 arithmetic (same values; the CPU interpreter's path)."""
     m, n = out.shape
     k = x.shape[-1]
     if x.dim() != 2 or m != x.shape[0] or m > GEMV_KERNEL_MAX_M or w.codes.dim() != 2 or w.shape[-1] != k:
@@ -650,10 +653,10 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
         if amax is not None:
             amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     elif scaling == "per_token":
-        a = triton_quant.quantize_per_token(x, amax=amax)
+        a = triton_quant.quantize_per_token(x, amax=amax, op_order=op_order)
         a_codes, a_scales, a_gs, stride_a_gs = a.codes.view(torch.int64), a.block_scales, a.global_scale, 1
     else:
-        a = triton_quant.quantize_per_tensor(x, amax=amax)
+        a = triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order)
         a_codes, a_scales, a_gs, stride_a_gs = a.codes.view(torch.int64), a.block_scales, a.global_scale, 0
     gs = w.global_scale
     if m and n:
@@ -663,7 +666,7 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
             w.codes.view(torch.int64), w.block_scales, gs, 0, 0 if gs.dim() == 0 else gs.stride(0), n, None, 1,
             out, None, bias, ws, cnt, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
             PER_TENSOR=scaling == "per_tensor", PAIRED=False, SWIGLU=False, ROW_WEIGHT=False,
-            HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+            HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", **cfg)
     return out
 
 
@@ -673,14 +676,15 @@ PAIRED_MAX_PAIRS = 128
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
-                      swiglu: bool = False, row_weight: torch.Tensor | None = None, config: dict | None = None,
-                      use_asm: bool = not _INTERPRET) -> torch.Tensor:
+                      swiglu: bool = False, row_weight: torch.Tensor | None = None, op_order: str = "vllm",
+                      config: dict | None = None, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
     launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
 
     x [T, K] float (unit column stride); out [P, N], P = T * topk; pair_expert int32 [P].
     swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
-    multiplies each output row (the router weight). Split-K partial sums are added in a fixed order."""
+    multiplies each output row (the router weight). op_order: the per-token quantizer's ("vllm" or
+    "te"). Split-K partial sums are added in a fixed order."""
     p, n = out.shape
     e, w_rows, k = w.shape
     if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
@@ -699,7 +703,8 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
             x, x.stride(0), None, 0, None, None, None, 0,
             w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
             out, row_weight, None, ws, cnt, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True,
-            SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm, **cfg)
+            SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
+            TE=op_order == "te", **cfg)
     return out
 
 
@@ -717,8 +722,8 @@ def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
 
 
 def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                 amax: torch.Tensor | None) -> torch.Tensor:
-    a = triton_quant.quantize_per_token_exact_bf16(x2, amax=amax)
+                 amax: torch.Tensor | None, op_order: str) -> torch.Tensor:
+    a = triton_quant.quantize_per_token_exact_bf16(x2, amax=amax, op_order=op_order)
     acc = torch.mm(a.values, dequantize_bf16(w).t(), out_dtype=torch.float32)
     m, n = acc.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -737,10 +742,11 @@ def linear_path(m: int, scaling: str) -> str:
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None, scaling: str = "per_token",
-           amax: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+           amax: torch.Tensor | None = None, op_order: str = "vllm", path: str | None = None) -> torch.Tensor:
     """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
     in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
+    op_order: the activation quantizer's, "vllm" (the spec) or "te".
     path forces "gemv" (M <= GEMV_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
@@ -755,15 +761,16 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     if path == "bf16":
         if scaling != "per_token":
             raise ValueError("the bf16 path implements per-token scaling only")
-        out = _linear_bf16(x2, w, bias, x.dtype, amax)
+        out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
     elif path == "gemv":
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        launch_w4a4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out, bias=bias, scaling=scaling, amax=amax)
+        launch_w4a4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out, bias=bias, scaling=scaling, amax=amax,
+                         op_order=op_order)
     elif path == "packed":
         if scaling == "per_token":
-            a = triton_quant.quantize_per_token(x2, amax=amax)
+            a = triton_quant.quantize_per_token(x2, amax=amax, op_order=op_order)
         else:
-            a = triton_quant.quantize_per_tensor(x2, amax=amax)
+            a = triton_quant.quantize_per_tensor(x2, amax=amax, op_order=op_order)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         launch_w4a4(a, w, out, bias=bias)
     else:

@@ -54,9 +54,10 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor) -> torch.Tensor:
+        topk_ids: torch.Tensor, *, op_order: str = "vllm") -> torch.Tensor:
     """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
     or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
+    op_order: the per-token activation quantizer's, "vllm" or "te".
     Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -68,16 +69,16 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     k = topk_ids.shape[1]
     p = t * k
     if p <= triton_gemm.PAIRED_MAX_PAIRS:
-        return _moe_pairs(x, w13, w2, topk_weights, topk_ids)
+        return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
     order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
     schedule = (tile_expert, tile_start, tile_end)
     cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
-    a = triton_quant.quantize_per_token(x)
+    a = triton_quant.quantize_per_token(x, op_order=op_order)
     token = (order // k).to(torch.int32)
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     triton_gemm.launch_w4a4(a, w13, act, a_index=token, schedule=schedule, swiglu=True, config=cfg)
-    a2 = triton_quant.quantize_per_token(act)
+    a2 = triton_quant.quantize_per_token(act, op_order=op_order)
     y = torch.empty((p, h), dtype=torch.float32, device=x.device)
     row_weight = topk_weights.reshape(-1)[order].float()
     triton_gemm.launch_w4a4(a2, w2, y, schedule=schedule, row_weight=row_weight, config=cfg)
@@ -87,7 +88,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
 
 
 def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor) -> torch.Tensor:
+               topk_ids: torch.Tensor, op_order: str) -> torch.Tensor:
     """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
     (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
     router weight fused), then the k pairs of each token summed in fp32 in slot order."""
@@ -97,8 +98,8 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True)
+    triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     triton_gemm.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
-                                  row_weight=topk_weights.reshape(-1).float())
+                                  row_weight=topk_weights.reshape(-1).float(), op_order=op_order)
     return y.view(t, k, h).sum(1).to(x.dtype)

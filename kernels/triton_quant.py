@@ -14,18 +14,24 @@ it differ only in where amax and S_enc come from and where codes and scales go:
 
 Divisions use `tl.div_rn` (IEEE round-to-nearest, as torch), E4M3 rounding is the hardware's
 round-to-nearest-even conversion; no fused multiply-adds occur on the quantization path.
+`op_order="te"` (every quantizer; constexpr `TE` in the kernels) follows TransformerEngine's
+formulas instead, as `reference` does with the same keyword (its module docstring lists both).
 GPU quantization does not check for NaN/Inf in activations (that would need a host sync per call);
 weights are checked (one reduction and one sync per tensor) unless `check_finite=False`.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from .format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter (tests): CPU tensors
 
 
 class SwizzledNVFP4(NamedTuple):
@@ -60,21 +66,37 @@ def _e4m3_rne(x):
     return tl.where(x < 0.015625, sub, normal).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_TE_ROW_AMAX_FLOOR = tl.constexpr(1e-12)    # TE's per-token quantizer divides by max(amax_row, 1e-12)
+
+
 @triton.jit
-def _s_enc_from_amax(amax):
-    """S_enc = 2688 / amax as the spec computes it in torch (scalar / tensor is
-    reciprocal(amax) * 2688: two roundings), clamped to the fp32 max; amax == 0 -> 1."""
-    s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 2688.0, 3.4028234663852886e38)
+def _s_enc_from_amax(amax, TE: tl.constexpr = False):
+    """S_enc = 2688 / amax clamped to the fp32 max; amax == 0 -> 1. Default: as the spec computes it
+    in torch (scalar / tensor is reciprocal(amax) * 2688: two roundings); TE: one division."""
+    if TE:
+        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax), _FLT_MAX)
+    else:
+        s_enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 2688.0, _FLT_MAX)
     return tl.where(amax == 0.0, 1.0, s_enc)
 
 
 @triton.jit
-def _quantize_tile(x, bamax, s_enc):
+def _row_amax_floor(amax, TE: tl.constexpr):
+    """A per-token amax as the op order uses it: TE floors it at 1e-12, the spec does not."""
+    if TE:
+        amax = tl.maximum(amax, _TE_ROW_AMAX_FLOOR)
+    return amax
+
+
+@triton.jit
+def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
     """The spec's block quantizer on one tile.
 
     x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
     each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], codes int32
-    [R, NB, 16] unpacked).
+    [R, NB, 16] unpacked). TE: TransformerEngine's block-scale and element-scale formulas, PER_ROW
+    selecting its row-scaled (per-token) element scale (`reference.block_scales`).
 
     E2M1 round-to-nearest-even of a = min(|v|, 6) without seven comparisons: the grid has step 0.5
     below 2, 1 below 4 and 2 up to 6, so code = rint(a * step^-1) + offset with rint done by adding
@@ -82,10 +104,18 @@ def _quantize_tile(x, bamax, s_enc):
     spec's thresholds at every tie (0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6,
     5 -> 6).
     """
-    scale = _e4m3_rne(tl.minimum(s_enc[:, None] * (bamax * 0.1666666716337204), 448.0))
-    s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
-    dec = scale.to(tl.float32) * s_dec[:, None]
-    inv = tl.where(dec == 0.0, 0.0, tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), 3.4028234663852886e38))
+    if TE:
+        scale = _e4m3_rne(tl.minimum(bamax * (s_enc[:, None] * 0.1666666716337204), 448.0))
+    else:
+        scale = _e4m3_rne(tl.minimum(s_enc[:, None] * (bamax * 0.1666666716337204), 448.0))
+    s = scale.to(tl.float32)
+    if TE and PER_ROW:                                               # S_enc / s, 0 for s == 0
+        inv = tl.where(s == 0.0, 0.0, tl.minimum(tl.div_rn(tl.broadcast_to(s_enc[:, None], s.shape), s), _FLT_MAX))
+    else:
+        dec = s * tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)[:, None]
+        inv = tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), _FLT_MAX)
+        if not TE:                                                   # 1/0 := 0 (TE: FLT_MAX)
+            inv = tl.where(dec == 0.0, 0.0, inv)
     v = x * inv[:, :, None]
     a = tl.minimum(tl.abs(v), 6.0)
     lt2 = a < 2.0
@@ -124,7 +154,7 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 @triton.jit
 def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
               ROWS: tl.constexpr, NB_PAD: tl.constexpr, AMAX_MODE: tl.constexpr, SWIZZLE: tl.constexpr,
-              WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr):
+              WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr, TE: tl.constexpr):
     """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers)."""
     rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
     blocks = tl.arange(0, NB_PAD)                                            # [NB]
@@ -135,7 +165,7 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
     x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
     if AMAX_MODE == 1:                                                       # one amax for the tensor
-        s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0))
+        s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0), TE)
         gs_mask = rows == 0
         gs_off = rows * 0
     else:
@@ -143,11 +173,11 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
             row_amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
         else:                                                                # max|x| of the row
             row_amax = tl.max(bamax, axis=1)
-        s_enc = _s_enc_from_amax(row_amax)                                   # [R]
+        s_enc = _s_enc_from_amax(_row_amax_floor(row_amax, TE), TE)          # [R]
         gs_mask = rmask
         gs_off = rows
     tl.store(gs_ptr + gs_off, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=gs_mask)
-    packed, scale, code = _quantize_tile(x, bamax, s_enc)
+    packed, scale, code = _quantize_tile(x, bamax, s_enc, TE, AMAX_MODE != 1)
     n_blocks = K // 16
     if WRITE_CODES:
         bytes_ = tl.arange(0, NB_PAD * 8)
@@ -171,19 +201,20 @@ def _act_quant_kernel(
     AMAX_MODE: tl.constexpr,               # 0: max|x| per row, 1: given per tensor, 2: given per row
     SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
     PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
+    TE: tl.constexpr,                      # TransformerEngine's op order (module docstring)
 ):
     if PERSIST_STAGES == 0:
         _act_tile(tl.program_id(0), x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                  ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+                  ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
             _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ)
+                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE)
 
 
 @triton.jit
 def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
-                 BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr):
+                 BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
     """Quantize 16 rows x BLOCK_KB blocks of one expert; tile = (e * n_row_tiles + row tile) * n_k_tiles + k tile."""
     kt = tile % n_k_tiles
     rt = (tile // n_k_tiles) % n_row_tiles
@@ -200,10 +231,10 @@ def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_p
     bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
-    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax + rows * 0))
+    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax + rows * 0), TE)
     tl.store(gs_ptr + e * stride_amax + rows * 0, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc),
              mask=(rows + kt) == 0)
-    packed, scale, code = _quantize_tile(x, bamax, s_enc)
+    packed, scale, code = _quantize_tile(x, bamax, s_enc, TE, False)
     bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
              mask=rmask[:, None] & (bytes_[None, :] < K // 2))
@@ -224,14 +255,15 @@ def _weight_quant_kernel(
     codes_ptr, scales_ptr, gs_ptr,          # uint8 [E, N, K/2]; e4m3 [E, N, K/16] or swizzled [E, Np, Kp]; S_dec like amax
     N, K, n_row_tiles, n_k_tiles, n_tiles,
     BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, PERSIST_STAGES: tl.constexpr,
+    TE: tl.constexpr,
 ):
     if PERSIST_STAGES == 0:
         _weight_tile(tl.program_id(0), w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K,
-                     n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
+                     n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE, TE)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
             _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K,
-                         n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE)
+                         n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE, TE)
 
 
 # Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
@@ -254,7 +286,7 @@ def _check_rows(x: torch.Tensor, name: str) -> torch.Tensor:
         raise TypeError(f"{name}: expected float32/bfloat16/float16, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"{name}: last dim K={x.shape[-1] if x.dim() else None} must be a multiple of {BLOCK}")
-    if not x.is_cuda:
+    if not x.is_cuda and not INTERPRET:
         raise ValueError(f"{name}: the Triton kernels need a CUDA tensor, got device {x.device}")
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -270,8 +302,9 @@ def _row_amax(amax: torch.Tensor | None, x: torch.Tensor, name: str = "amax") ->
 
 
 def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
-                config: dict | None = None, per_row_amax: bool = False):
+                config: dict | None = None, per_row_amax: bool = False, op_order: str = "vllm"):
     """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax)."""
+    reference._check_op_order(op_order)
     cfg = config or ACT_CONFIG
     m, k = x2.shape
     nb_pad = triton.next_power_of_2(k // BLOCK)
@@ -290,20 +323,22 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
             x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
-            WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], num_warps=cfg["num_warps"])
+            WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], TE=op_order == "te",
+            num_warps=cfg["num_warps"])
     return out_codes, scales, gs, out_deq
 
 
-def quantize_per_token(x: torch.Tensor, *, amax: torch.Tensor | None = None,
+def quantize_per_token(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
                        config: dict | None = None) -> NVFP4Tensor:
     """Per-token NVFP4 of x [..., K] (CUDA, float): codes [..., K/2], scales [..., K/16] (linear),
     global_scale [...] = S_dec per row. Bit-identical to `reference.quantize_per_token`.
     amax: optional fp32 [...] (= x.shape[:-1]) used instead of max|x| per row (the all-reduced
     amax of a tensor-parallel row-parallel layer, `row_amax` in the reference).
+    op_order: "vllm" (the spec) or "te" (TransformerEngine's row-scaled quantizer).
     config: launch override (keys of ACT_CONFIG), for tuning."""
     x2 = _check_rows(x, "x")
     codes, scales, gs, _ = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=True, deq=False,
-                                       config=config, per_row_amax=True)
+                                       config=config, per_row_amax=True, op_order=op_order)
     lead = x.shape[:-1]
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(lead))
 
@@ -317,25 +352,27 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
     return SwizzledNVFP4(codes, scales, gs)
 
 
-def quantize_per_token_exact_bf16(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> ExactBF16Rows:
+def quantize_per_token_exact_bf16(x: torch.Tensor, *, amax: torch.Tensor | None = None,
+                                  op_order: str = "vllm") -> ExactBF16Rows:
     """Per-token quantization of x [M, K] written as exact BF16 values e2m1(q)*s plus S_dec [M]:
     the operand of the large-M path (a BF16 tensor-core GEMM computes the same products).
-    amax: optional fp32 [M] per-row amax override (as in `quantize_per_token`)."""
+    amax, op_order: as in `quantize_per_token`."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
     _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
-                                per_row_amax=True)
+                                per_row_amax=True, op_order=op_order)
     return ExactBF16Rows(deq, gs)
 
 
-def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm") -> NVFP4Tensor:
     """Per-tensor NVFP4 of x [..., K] (one S_dec, shape []); bit-identical to
-    `reference.quantize_per_tensor`. amax: optional fp32 scalar instead of max|x|."""
+    `reference.quantize_per_tensor`. amax: optional fp32 scalar instead of max|x|; op_order: "vllm"
+    or "te"."""
     x2 = _check_rows(x, "x")
     amax = torch.linalg.vector_norm(x2, ord=float("inf")) if amax is None else amax
     amax = amax.to(device=x2.device, dtype=torch.float32).reshape(1)
-    codes, scales, gs, _ = _act_launch(x2, amax=amax, swizzle=False, codes=True, deq=False)
+    codes, scales, gs, _ = _act_launch(x2, amax=amax, swizzle=False, codes=True, deq=False, op_order=op_order)
     lead = x.shape[:-1]
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(()))
 
@@ -347,7 +384,8 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, check_finite: bool,
-                   swizzle: bool, config: dict | None = None):
+                   swizzle: bool, config: dict | None = None, op_order: str = "vllm"):
+    reference._check_op_order(op_order)
     cfg = config or WEIGHT_CONFIG
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
@@ -382,30 +420,32 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
         _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
             w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles, n_tiles,
             BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, PERSIST_STAGES=cfg["persist_stages"],
-            num_warps=cfg["num_warps"])
+            TE=op_order == "te", num_warps=cfg["num_warps"])
     if w.dim() == 2:
         codes, scales = codes[0], scales[0]
     return codes, scales, gs.reshape(amax.shape)
 
 
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                    check_finite: bool = True, config: dict | None = None) -> NVFP4Tensor:
+                    op_order: str = "vllm", check_finite: bool = True, config: dict | None = None) -> NVFP4Tensor:
     """Quantize a weight [N, K] (global_scale []) or experts [E, N, K] (global_scale [E]) on CUDA;
     bit-identical to `reference.quantize_weight`.
 
     recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles). amax: optional fp32 [] or [E] (e.g. the
-    learner's). check_finite: raise on NaN/Inf (one extra read of w when amax is given, one host
-    sync); the converter's fast path passes False after checking amax itself. config: launch
-    override (keys of WEIGHT_CONFIG), for tuning.
+    learner's). op_order: "vllm" (the spec) or "te" (TransformerEngine's quantizer). check_finite:
+    raise on NaN/Inf (one extra read of w when amax is given, one host sync); the converter's fast
+    path passes False after checking amax itself. config: launch override (keys of WEIGHT_CONFIG),
+    for tuning.
     """
     codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False,
-                                       config=config)
+                                       config=config, op_order=op_order)
     return NVFP4Tensor(codes, scales, gs)
 
 
 def quantize_weight_swizzled(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                             check_finite: bool = True) -> SwizzledNVFP4:
+                             op_order: str = "vllm", check_finite: bool = True) -> SwizzledNVFP4:
     """As `quantize_weight`, with block scales in the 128x4 swizzled layout per expert:
     [roundup(N,128), roundup(K/16,4)] (or [E, ...])."""
-    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=True)
+    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=True,
+                                       op_order=op_order)
     return SwizzledNVFP4(codes, scales, gs)

@@ -20,6 +20,7 @@ METHOD_NAME = "nvfp4_sampler"
 FORMAT_VERSION = 1
 ACTIVATION_SCALINGS = ("per_token", "per_tensor")
 WEIGHT_RECIPES = ("1d", "2d")
+OP_ORDERS = ("vllm", "te")      # quantizer float-op orders (kernels.reference): vLLM's, TransformerEngine's
 
 BLOCK = 16                                          # elements per E4M3 block scale, along K
 WEIGHT, SCALE, SCALE_2 = "weight", "weight_scale", "weight_scale_2"
@@ -50,6 +51,9 @@ class SamplerConfig:
     """activation_scaling: "per_token" (default; a token's codes ignore its batch neighbours) or
     "per_tensor" (dynamic, one scale per batch: for comparison only).
     weight_recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles, TransformerEngine's weight recipe).
+    op_order: the quantizers' float-op order, "vllm" (default, vLLM's NVFP4 reference) or "te"
+      (TransformerEngine's, bit for bit: a TE learner's codes for weights quantized on arrival and
+      for activations). With weight_recipe "2d" and per_token activations it is TE's recipe.
     keep_bf16: module-name prefixes left unquantized, on top of lm_head, embeddings and MoE routers.
     backend: "auto" or a kernels.dispatch backend name.
     prequantized: True when the checkpoint holds NVFP4 codes and scales (written by the converter).
@@ -57,6 +61,7 @@ class SamplerConfig:
 
     activation_scaling: str = "per_token"
     weight_recipe: str = "1d"
+    op_order: str = "vllm"
     keep_bf16: tuple[str, ...] = ()
     backend: str = "auto"
     prequantized: bool = False
@@ -67,6 +72,8 @@ class SamplerConfig:
                              f"got {self.activation_scaling!r}")
         if self.weight_recipe not in WEIGHT_RECIPES:
             raise ValueError(f"{METHOD_NAME}: weight_recipe must be one of {WEIGHT_RECIPES}, got {self.weight_recipe!r}")
+        if self.op_order not in OP_ORDERS:
+            raise ValueError(f"{METHOD_NAME}: op_order must be one of {OP_ORDERS}, got {self.op_order!r}")
         if isinstance(self.keep_bf16, str) or not all(isinstance(p, str) for p in self.keep_bf16):
             raise ValueError(f"{METHOD_NAME}: keep_bf16 must be a list of module-name prefixes, got {self.keep_bf16!r}")
         object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))

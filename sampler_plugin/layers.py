@@ -195,10 +195,11 @@ def _dst(dst: NVFP4Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, to
 def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, config: SamplerConfig) -> None:
     """Write checkpoint tensor `shard.name.kind` (validated here) into its rows of dst, in place.
 
-    A float `weight` is quantized with config.weight_recipe using the amax of the whole checkpoint
-    tensor (so tensor-parallel slices agree) and fills all three storage tensors. On `meta` storage
-    the same views are written shape-only (nothing of `tensor` read but its dtype and shape): vLLM's
-    layerwise reload runs every weight loader on meta copies first and counts the elements copied.
+    A float `weight` is quantized with config.weight_recipe and config.op_order using the amax of the
+    whole checkpoint tensor (so tensor-parallel slices agree) and fills all three storage tensors.
+    On `meta` storage the same views are written shape-only (nothing of `tensor` read but its dtype
+    and shape): vLLM's layerwise reload runs every weight loader on meta copies first and counts
+    the elements copied.
     No host sync: scalars are copied on the device.
     """
     validate(shard, kind, tensor)
@@ -217,7 +218,7 @@ def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, co
     if online:
         part = tensor[shard.src_rows, shard.src_cols]
         q = dispatch.quantize_weight_on(part, recipe=config.weight_recipe, amax=tensor.abs().float().amax(),
-                                        backend=config.backend)
+                                        op_order=config.op_order, backend=config.backend)
         codes.copy_(q.codes)
         scales.copy_(q.block_scales)
         gs.copy_(q.global_scale.reshape(()).expand_as(gs))
@@ -318,7 +319,8 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
         backend = choose_backend(config, op="linear", name="linear", device=x.device, k=x.shape[-1],
                                  tp_amax=amax is not None)
     return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax,
-                                          scaling=config.activation_scaling, backend=backend)
+                                          scaling=config.activation_scaling, op_order=config.op_order,
+                                          backend=backend)
 
 
 def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
@@ -328,7 +330,8 @@ def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: 
     if backend is None:
         backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1])
     return torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
-                                       w2.global_scale, topk_weights, topk_ids, backend=backend)
+                                       w2.global_scale, topk_weights, topk_ids, op_order=config.op_order,
+                                       backend=backend)
 
 
 @dataclasses.dataclass(frozen=True)

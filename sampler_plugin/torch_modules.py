@@ -31,7 +31,7 @@ class NVFP4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig) -> "NVFP4Linear":
-        """Quantize `linear` (checkpoint prefix `name`) with config.weight_recipe."""
+        """Quantize `linear` (checkpoint prefix `name`) with config.weight_recipe and config.op_order."""
         n, k = linear.weight.shape
         w = layers.create_weight(n, k, device=linear.weight.device, name=name)
         layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)

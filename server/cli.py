@@ -54,8 +54,8 @@ def _push(args: argparse.Namespace) -> int:
     from .client import SamplerClient
 
     with SamplerClient(args.url, token=args.token, retries=args.retries) as c:
-        res = c.push(args.source, layout=args.layout, version=args.version, recipe=args.recipe, device=args.device,
-                     bucket_bytes=args.bucket_bytes)
+        res = c.push(args.source, layout=args.layout, version=args.version, recipe=args.recipe,
+                     op_order=args.op_order, device=args.device, bucket_bytes=args.bucket_bytes)
     print(json.dumps(res.to_dict(), indent=2))
     return 0
 
@@ -105,6 +105,8 @@ def add_parsers(sub) -> None:
                    help="nvfp4: convert here and send NVFP4 (default); bf16: send BF16, the sampler quantizes")
     p.add_argument("--version", type=int, default=None, help="target weight version (default: current + 1)")
     p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="weight recipe of the conversion")
+    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
+                   help="quantizer float-op order of the conversion (te: TransformerEngine's)")
     p.add_argument("--device", default=None, help="where to convert (e.g. cuda; default: cpu, where files are read)")
     p.add_argument("--bucket-bytes", type=int, default=512 << 20,
                    help="bytes per streamed bucket; host memory holds about two (default 512 MiB)")

@@ -137,6 +137,27 @@ def test_bf16_masters_with_learner_recipe_reproduce_learner_weights(tmp_path, re
         assert 0.02 < r.quant_rel_fro < 0.2
 
 
+def test_te_op_order_reproduces_a_te_learner_and_is_recorded(tmp_path):
+    """--op-order te: BF16 masters convert to the codes TE's quantizer gives (reference with
+    op_order="te"), and the checkpoint's quantization_config says so, so the sampler quantizes
+    activations the same way."""
+    weights = _weights(seed=4)
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "te", ConvertOptions(recipe="2d", op_order="te"))
+    out = _read(tmp_path / "te")
+    differs = 0
+    for leaf in LINEARS:
+        name, w = f"model.layers.0.{leaf}", weights[f"model.layers.0.{leaf}.weight"]
+        want = reference.quantize_weight(w, recipe="2d", op_order="te")
+        other = reference.quantize_weight(w, recipe="2d")
+        assert _bits_equal(out[f"{name}.weight"], want.codes)
+        assert _bits_equal(out[f"{name}.weight_scale"], want.block_scales)
+        assert _bits_equal(out[f"{name}.weight_scale_2"], want.global_scale)
+        differs += not (_bits_equal(want.codes, other.codes) and _bits_equal(want.global_scale, other.global_scale))
+    assert differs, "these weights do not separate the op orders"
+    cfg = json.loads((tmp_path / "te" / "config.json").read_text())["quantization_config"]
+    assert cfg["op_order"] == "te" and cfg["weight_recipe"] == "2d"
+
+
 def test_other_recipe_does_not_reproduce_a_2d_learner(tmp_path):
     """The seed's conversion error: re-quantizing 2D-learned weights with 1D scales changes codes."""
     weights = _weights(seed=4)
@@ -384,7 +405,7 @@ def test_cli_convert_prints_summary(tmp_path):
     src = _sharded(tmp_path, _weights())
     (src / "tokenizer.json").write_text("{}")
     run = subprocess.run([sys.executable, "-m", "server.cli", "convert", str(src), str(tmp_path / "out"),
-                          "--recipe", "2d", "--keep-bf16", "model.layers.0.mlp.down_proj"],
+                          "--recipe", "2d", "--op-order", "te", "--keep-bf16", "model.layers.0.mlp.down_proj"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "converted 9 tensors -> 21" in run.stdout and "GB/s" in run.stdout
@@ -393,6 +414,7 @@ def test_cli_convert_prints_summary(tmp_path):
     assert (tmp_path / "out" / "tokenizer.json").exists()
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert cfg["weight_recipe"] == "2d" and cfg["keep_bf16"] == ["model.layers.0.mlp.down_proj"]
+    assert cfg["op_order"] == "te"
 
 
 def test_cli_error_is_clear_and_nonzero(tmp_path):

@@ -318,3 +318,53 @@ def test_moe_is_bitwise_deterministic(tk, tokens):
     first = tk[2].moe(x, w13, w2, topk_w, topk_ids)
     for _ in range(REPEATS):
         assert torch.equal(tk[2].moe(x, w13, w2, topk_w, topk_ids), first)
+
+
+@pytest.mark.parametrize("m,k", [(1, 2048), (100, 4112), (4096, 7168)])
+def test_te_op_order_quantizers_are_bit_exact(tk, m, k):
+    """op_order="te": per token (computed and given amax), exact-BF16 rows, per tensor and weights
+    1d / 2d bit for bit as `reference` in TransformerEngine's order (tests/test_reference_te.py
+    checks that order against TE's arithmetic)."""
+    tq = tk[0]
+    x = _activations(m, k, seed=m + k)
+    xc = x.cpu()
+    amax = x.abs().float().amax(-1) * 1.25
+    for given in (None, amax):
+        want = reference.quantize_per_token(xc, row_amax=None if given is None else given.cpu(), op_order="te")
+        _assert_same(tq.quantize_per_token(x, amax=given, op_order="te"), want)
+        exact = tq.quantize_per_token_exact_bf16(x, amax=given, op_order="te")
+        assert torch.equal(exact.values.float().cpu(), reference.dequantize_unscaled(want))
+    _assert_same(tq.quantize_per_tensor(x, op_order="te"), reference.quantize_per_tensor(xc, op_order="te"))
+    for recipe in ("1d", "2d"):
+        _assert_same(tq.quantize_weight(x, recipe=recipe, op_order="te"),
+                     reference.quantize_weight(xc, recipe=recipe, op_order="te"))
+
+
+@pytest.mark.parametrize("m", (1, 4, 64, 384))
+def test_te_op_order_linear_and_moe_match_reference(tk, m):
+    """Every linear path (gemv with the quantization fused, packed, bf16) and the MoE with
+    op_order="te" against the reference in the same order (FP32 reordering bound for the linear)."""
+    tg, tm = tk[1], tk[2]
+    n, k = 640, 2048
+    x = _activations(m, k, seed=m + 11)
+    x = x / x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    w = _weight(n, k, seed=4, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = reference.quantize_per_token(x.cpu(), op_order="te")
+    want = reference.nvfp4_gemm(a, w.to("cpu"), bias=bias.cpu(), out_dtype=torch.float32)
+    for path in ("gemv", "packed", "bf16"):
+        if path == "gemv" and m > tg.GEMV_KERNEL_MAX_M:
+            continue
+        out = tg.linear(x.float(), w, bias=bias, op_order="te", path=path)
+        _assert_fp32_reorder_close(out.cpu(), a, w.to("cpu"), want, bias.cpu().float())
+    experts, hidden, inter = 8, 256, 128
+    g = torch.Generator(device="cuda").manual_seed(m)
+    xm = torch.randn(m, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1)
+                                    .to(torch.bfloat16), op_order="te")
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1)
+                                   .to(torch.bfloat16), op_order="te")
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(m, experts, device="cuda", generator=g), -1), 2)
+    want = reference.moe(xm, w13, w2, topk_w, topk_ids, op_order="te").float()
+    got = tm.moe(xm, w13, w2, topk_w, topk_ids, op_order="te").float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -57,6 +57,26 @@ def test_2d_recipe_write_equals_reference():
     assert not torch.equal(w.codes, reference.quantize_weight(t).codes)
 
 
+def test_te_op_order_config_quantizes_weights_and_activations_the_te_way():
+    """SamplerConfig(op_order="te", weight_recipe="2d"): TE's recipe end to end in a layer; the weight
+    written on arrival and the linear equal the reference in TE's order, not in vLLM's."""
+    from tests.test_reference_te import heavy_tailed
+    cfg = SamplerConfig(op_order="te", weight_recipe="2d")
+    t = heavy_tailed(48, 64, torch.bfloat16, 3)          # a seed whose S_enc differs by 1 ulp between orders
+    w = layers.create_weight(48, 64)
+    layers.write(w, layers.Shard("p", (48, 64), slice(0, 48)), "weight", t, config=cfg)
+    q = reference.quantize_weight(t, recipe="2d", op_order="te")
+    assert torch.equal(w.codes, q.codes) and torch.equal(_bytes(w.block_scales), _bytes(q.block_scales))
+    assert torch.equal(w.global_scale, q.global_scale.expand(48))
+    assert not torch.equal(w.global_scale, reference.quantize_weight(t, recipe="2d").global_scale.expand(48))
+    x = heavy_tailed(6, 64, torch.float32, 6)
+    out = layers.apply_linear(x, w, bias=None, config=cfg)
+    assert torch.equal(out, reference.linear(x, q, op_order="te"))
+    assert not torch.equal(out, reference.linear(x, reference.quantize_weight(t, recipe="2d")))
+    with pytest.raises(ValueError, match="op_order must be one of"):
+        SamplerConfig(op_order="cuda")
+
+
 def test_tensor_parallel_slices_match_the_full_quantization():
     torch.manual_seed(1)
     full = torch.randn(32, 64)

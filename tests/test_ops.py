@@ -56,7 +56,7 @@ def test_linear_op_equals_reference(scaling, with_amax, with_bias):
     if with_amax:   # a larger amax than x has, as a tensor-parallel rank gets from its neighbours
         amax = 3 * (x.abs().float().amax(-1) if scaling == "per_token" else x.abs().float().amax())
     got = torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax, scaling=scaling,
-                                         backend="reference")
+                                         op_order="vllm", backend="reference")
     assert torch.equal(got, reference.linear(x, w, bias=bias, scaling=scaling, amax=amax))
     if with_amax:
         assert not torch.equal(got, reference.linear(x, w, bias=bias, scaling=scaling))
@@ -68,7 +68,7 @@ def test_nonfinite_rows_give_nan_rows_without_raising():
     x, w = _x(6, 64, seed=0, device="cpu", dtype=torch.float32), _weight(16, 64, seed=1, device="cpu")
     x[1, 5], x[4, 0] = float("nan"), float("-inf")
     y = torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, None, None, scaling="per_token",
-                                       backend="reference")
+                                       op_order="vllm", backend="reference")
     assert y.isnan().all(-1).tolist() == [False, True, False, False, True, False]
     good = [0, 2, 3, 5]
     assert torch.equal(y[good], reference.linear(x[good], w))
@@ -81,14 +81,49 @@ def test_moe_op_equals_reference():
     ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(3))
     wts = torch.rand(t, k, generator=torch.Generator().manual_seed(4))
     got = torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
-                                      w2.global_scale, wts, ids, backend="reference")
+                                      w2.global_scale, wts, ids, op_order="vllm", backend="reference")
     assert torch.equal(got, reference.moe(x, w13, w2, wts, ids))
+
+
+def _te_sensitive_x() -> torch.Tensor:
+    """bf16 rows whose codes differ between the two op orders (searched over seeds: S_enc's one or
+    two roundings and the block-scale product order differ at E4M3 and E2M1 ties)."""
+    from kernels import reference as R
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        x = (torch.randn(4, 64, generator=g) * torch.exp2(torch.randint(-6, 6, (4, 1), generator=g).float()))
+        x = x.to(torch.bfloat16)
+        a, b = R.quantize_per_token(x), R.quantize_per_token(x, op_order="te")
+        if not torch.equal(a.codes, b.codes):
+            return x
+    raise AssertionError("no input separates the op orders")
+
+
+def test_ops_take_the_op_order():
+    """op_order reaches the quantizer of every op: te equals the reference in TE's order and
+    differs from vLLM's on inputs where the orders differ."""
+    x = _te_sensitive_x()
+    w = _weight(32, 64, seed=1, device="cpu")
+    ops = torch.ops.nvfp4_sampler
+    y = {o: ops.linear(x, w.codes, w.block_scales, w.global_scale, None, None, scaling="per_token", op_order=o,
+                       backend="reference") for o in ("vllm", "te")}
+    assert torch.equal(y["te"], reference.linear(x, w, op_order="te"))
+    assert not torch.equal(y["te"], y["vllm"])
+    q = ops.quantize_activations(x, None, scaling="per_token", op_order="te", backend="reference")
+    want = reference.quantize_per_token(x, op_order="te")
+    assert all(_same(a, b) for a, b in zip(q, (want.codes, want.block_scales, want.global_scale)))
+    e, h, i = 2, 64, 32
+    w13, w2 = _weight(2 * i, h, seed=2, device="cpu", experts=e), _weight(h, i, seed=3, device="cpu", experts=e)
+    ids, wts = torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    got = ops.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales, w2.global_scale,
+                  wts, ids, op_order="te", backend="reference")
+    assert torch.equal(got, reference.moe(x, w13, w2, wts, ids, op_order="te"))
 
 
 @pytest.mark.parametrize("scaling", ["per_token", "per_tensor"])
 def test_quantize_activations_op_equals_reference(scaling):
     x = _x(3, 96, seed=5, device="cpu", dtype=torch.float32).reshape(3, 1, 96)
-    got = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling=scaling, backend="reference")
+    got = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling=scaling, op_order="vllm", backend="reference")
     want = reference.quantize_activations(x, scaling=scaling)
     assert all(_same(a, b) for a, b in zip(got, (want.codes, want.block_scales, want.global_scale)))
 
@@ -104,15 +139,16 @@ def _op_cases(device: str):
     wts = torch.rand(5, 2, generator=torch.Generator().manual_seed(5)).to(device)
     ops = torch.ops.nvfp4_sampler
     return [
-        (ops.linear.default, (x, w.codes, w.block_scales, gs_rows, None, None), dict(scaling="per_token", backend=backend)),
+        (ops.linear.default, (x, w.codes, w.block_scales, gs_rows, None, None),
+         dict(scaling="per_token", op_order="vllm", backend=backend)),
         (ops.linear.default, (x.float(), w.codes, w.block_scales, w.global_scale, torch.randn(32, device=device), None),
-         dict(scaling="per_tensor", backend=backend)),
+         dict(scaling="per_tensor", op_order="te", backend=backend)),
         (ops.linear.default, (x[None], w.codes, w.block_scales, gs_rows, None, amax[None]),
-         dict(scaling="per_token", backend="reference")),
+         dict(scaling="per_token", op_order="te", backend="reference")),
         (ops.moe.default, (x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
-                           w2.global_scale, wts, ids), dict(backend=backend)),
-        (ops.quantize_activations.default, (x, None), dict(scaling="per_token", backend=backend)),
-        (ops.quantize_activations.default, (x, amax.max()), dict(scaling="per_tensor", backend=backend)),
+                           w2.global_scale, wts, ids), dict(op_order="vllm", backend=backend)),
+        (ops.quantize_activations.default, (x, None), dict(scaling="per_token", op_order="te", backend=backend)),
+        (ops.quantize_activations.default, (x, amax.max()), dict(scaling="per_tensor", op_order="vllm", backend=backend)),
     ]
 
 
@@ -136,19 +172,22 @@ def test_fake_shapes():
         x = torch.empty(2, 7, 256, dtype=torch.bfloat16)
         codes, scales = torch.empty(96, 128, dtype=torch.uint8), torch.empty(96, 16, dtype=torch.float8_e4m3fn)
         y = torch.ops.nvfp4_sampler.linear(x, codes, scales, torch.empty(96), None, None, scaling="per_token",
-                                           backend="reference")
+                                           op_order="vllm", backend="reference")
         assert (y.shape, y.dtype) == ((2, 7, 96), torch.bfloat16)
-        c, s, g = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling="per_token", backend="reference")
+        c, s, g = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling="per_token", op_order="vllm",
+                                                                 backend="reference")
         assert [(t.shape, t.dtype) for t in (c, s, g)] == [((2, 7, 128), torch.uint8), ((2, 7, 16), torch.float8_e4m3fn),
                                                            ((2, 7), torch.float32)]
-        _, _, g = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling="per_tensor", backend="reference")
+        _, _, g = torch.ops.nvfp4_sampler.quantize_activations(x, None, scaling="per_tensor", op_order="vllm",
+                                                                 backend="reference")
         assert g.shape == ()
         t = torch.empty(5, 256, dtype=torch.float16)
         y = torch.ops.nvfp4_sampler.moe(t, torch.empty(8, 64, 128, dtype=torch.uint8),
                                         torch.empty(8, 64, 16, dtype=torch.float8_e4m3fn), torch.empty(8),
                                         torch.empty(8, 256, 16, dtype=torch.uint8),
                                         torch.empty(8, 256, 2, dtype=torch.float8_e4m3fn), torch.empty(8),
-                                        torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int64), backend="reference")
+                                        torch.empty(5, 2), torch.empty(5, 2, dtype=torch.int64), op_order="vllm",
+                                        backend="reference")
         assert (y.shape, y.dtype) == ((5, 256), torch.float16)
 
 
@@ -246,7 +285,7 @@ def test_cuda_auto_choice_and_tp_amax_support():
     x, w = _x(5, 64, seed=0, device="cuda"), _weight(32, 64, seed=1, device="cuda")
     amax = x.abs().float().amax(-1) * 2
     got = torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, None, amax, scaling="per_token",
-                                         backend=tp)
+                                         op_order="vllm", backend=tp)
     want = reference.linear(x.cpu(), w.to("cpu"), amax=amax.cpu())
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2 ** -7, atol=1e-3)
 

@@ -1,9 +1,10 @@
-"""The decode GEMM kernels' arithmetic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+"""The Triton kernels' arithmetic on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
 
-The interpreter runs the kernels' portable path (no inline PTX): the same exact block products,
-split-K planes and epilogue as on the GPU, so the numerics are checked in CI against the spec
-(`kernels.reference`). What only the GPU checks: the packed-FP16 inline PTX (`_DOT16`) and the
-`prmt` decode, which tests/test_gpu_kernels.py compares bitwise with this portable path.
+The interpreter runs the kernels' portable path (no inline PTX): the quantizers in both op orders
+(vLLM's and TransformerEngine's, bit for bit), the same exact block products, split-K planes and
+epilogue as on the GPU, so the numerics are checked in CI against the spec (`kernels.reference`).
+What only the GPU checks: the packed-FP16 inline PTX (`_DOT16`) and the `prmt` decode, which
+tests/test_gpu_kernels.py compares bitwise with this portable path.
 The checks run in a child process because TRITON_INTERPRET must be set before triton compiles.
 """
 from __future__ import annotations
@@ -35,9 +36,77 @@ def _case(m: int, n: int, k: int, *, seed: int):
     return x.to(torch.bfloat16), w, torch.randn(n, generator=g)
 
 
-def check_gemv() -> None:
-    """Decode kernel with the activation quantized in its launch: per token / per tensor, with and
-    without an amax override, split-K 1 and 4, deterministic run to run."""
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (float8 compared as bytes)."""
+    bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def _assert_same(got, want, what: str) -> None:
+    for field in ("codes", "block_scales", "global_scale"):
+        assert _same(getattr(got, field), getattr(want, field)), f"{what}: {field} differ from the reference"
+
+
+def _activations(dtype: torch.dtype, *, seed: int) -> torch.Tensor:
+    """[6, 160] rows whose amax spans 2^-40 .. 2^12: a zero row, a row under TE's 1e-12 amax floor,
+    a zero block, E2M1 ties (x = 0.25, 0.75 ... of the block's scale) and random values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 160, generator=g) * torch.exp2(torch.tensor([0.0, -8.0, 12.0, -40.0, 3.0, 0.0]))[:, None]
+    x[0] = 0.0
+    x[2, 16:32] = 0.0
+    x[4, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor([1.0, -1.0] * 8)
+    return x.to(dtype)
+
+
+def _order_sensitive() -> list[torch.Tensor]:
+    """Inputs on which the two op orders differ (tests/test_reference_te.py): the E4M3 tie (amax 10,
+    block amax 3.75: vLLM order 176, TE 160), a block whose scale underflows to 0 (TE per tensor
+    saturates its codes, per row zeroes them), and heavy-tailed rows with zero blocks."""
+    from tests.test_reference_te import heavy_tailed
+    tie = torch.zeros(2, 32)
+    tie[:, 0], tie[:, 16] = 10.0, 3.75
+    underflow = torch.zeros(2, 32)
+    underflow[:, 0], underflow[:, 16:] = 1000.0, 1e-6
+    return [tie, underflow, heavy_tailed(32, 256, torch.bfloat16, 0)]
+
+
+def check_quantizers(op_order: str) -> None:
+    """Every Triton quantizer bit for bit against `reference` in `op_order`: per token (computed
+    and given amax, fp32/bf16/fp16 input), per tensor, exact-BF16 rows, weights 1d / 2d / experts."""
+    from kernels import reference, triton_quant
+    for x in _order_sensitive():
+        for scaling in ("per_token", "per_tensor"):
+            quantize = triton_quant.quantize_per_token if scaling == "per_token" else triton_quant.quantize_per_tensor
+            _assert_same(quantize(x, op_order=op_order), reference.quantize_activations(x, scaling=scaling,
+                         op_order=op_order), f"{scaling} {tuple(x.shape)} {op_order}")
+        _assert_same(triton_quant.quantize_weight(x, op_order=op_order),
+                     reference.quantize_weight(x, op_order=op_order), f"weight {tuple(x.shape)} {op_order}")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = _activations(dtype, seed=1)
+        for amax in (None, x.abs().float().amax(-1) * 1.5):
+            want = reference.quantize_per_token(x, row_amax=amax, op_order=op_order)
+            _assert_same(triton_quant.quantize_per_token(x, amax=amax, op_order=op_order), want,
+                         f"per token {dtype} amax={amax is not None} {op_order}")
+            rows = triton_quant.quantize_per_token_exact_bf16(x, amax=amax, op_order=op_order)
+            assert torch.equal(rows.values.float(), reference.dequantize_unscaled(want)), f"exact bf16 {op_order}"
+            assert torch.equal(rows.global_scale, want.global_scale), f"exact bf16 S_dec {op_order}"
+        for amax in (None, torch.tensor(7.0)):
+            _assert_same(triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order),
+                         reference.quantize_per_tensor(x, amax=amax, op_order=op_order),
+                         f"per tensor {dtype} {op_order}")
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(3, 40, 96, generator=g) * torch.exp2(torch.randint(-20, 4, (3, 40, 1), generator=g).float()))
+    w = w.to(torch.bfloat16)
+    for recipe in ("1d", "2d"):
+        for ws, amax in ((w[0], None), (w, None), (w, torch.tensor([9.0, 2.0, 3.0]))):
+            _assert_same(triton_quant.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
+                         reference.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
+                         f"weight {tuple(ws.shape)} {recipe} {op_order}")
+
+
+def check_gemv(op_order: str) -> None:
+    """Decode kernel with the activation quantized in its launch (in `op_order`): per token / per
+    tensor, with and without an amax override, split-K 1 and 4, deterministic run to run."""
     from kernels import reference, triton_gemm
     for m, n, k, split_k, scaling, amax_mul in [(1, 64, 256, 1, "per_token", None), (3, 100, 512, 4, "per_token", None),
                                                  (3, 100, 512, 2, "per_tensor", None), (2, 70, 1024, 4, "per_token", 2.5),
@@ -46,17 +115,19 @@ def check_gemv() -> None:
         amax = None
         if amax_mul:
             amax = (x.abs().float().amax(-1) if scaling == "per_token" else x.abs().float().amax()) * amax_mul
-        a = reference.quantize_activations(x, scaling=scaling, amax=amax)
+        a = reference.quantize_activations(x, scaling=scaling, amax=amax, op_order=op_order)
         want = reference.nvfp4_gemm(a, w, bias=bias, out_dtype=torch.float32)
         cfg = dict(triton_gemm.gemv_config(m, n, k), SPLIT_K=split_k)
         outs = []
         for _ in range(2):
             out = torch.full((m, n), float("nan"))
-            triton_gemm.launch_w4a4_gemv(x, w, out, bias=bias, scaling=scaling, amax=amax, fused=True, config=cfg)
+            triton_gemm.launch_w4a4_gemv(x, w, out, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
+                                         fused=True, config=cfg)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), f"gemv not deterministic {m, n, k, split_k}"
         err = (outs[0] - want).abs()
-        assert bool((err <= _bound(a, w, want, bias)).all()), f"gemv {m, n, k, split_k, scaling, amax_mul}: max err {err.max()}"
+        assert bool((err <= _bound(a, w, want, bias)).all()), \
+            f"gemv {m, n, k, split_k, scaling, amax_mul, op_order}: max err {err.max()}"
 
 
 def check_packed_split_k() -> None:
@@ -76,10 +147,10 @@ def check_packed_split_k() -> None:
     assert bool(((outs[0] - want).abs() <= _bound(a, w, want, bias)).all())
 
 
-def check_moe_pairs() -> None:
+def check_moe_pairs(op_order: str) -> None:
     """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
-    split-K 1 and 2: the SwiGLU rows within one BF16 ulp of the spec's, the layer within the
-    re-quantization error of `reference.moe`, bitwise deterministic."""
+    split-K 1 and 2, tokens quantized in `op_order`: the SwiGLU rows within one BF16 ulp of the
+    spec's, the layer within the re-quantization error of `reference.moe`, bitwise deterministic."""
     from kernels import reference, triton_gemm, triton_moe
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, top_k, tokens = 6, 256, 64, 4, 2
@@ -89,20 +160,21 @@ def check_moe_pairs() -> None:
     w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, generator=g) * 0.1).to(torch.bfloat16))
     topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g), -1), top_k)
     ids = topk_ids.reshape(-1).to(torch.int32)
-    a = reference.quantize_per_token(x)
+    a = reference.quantize_per_token(x, op_order=op_order)
     for split_k in (1, 2):
         cfg = dict(triton_gemm.gemv_config(1, inter * ids.numel(), hidden), SPLIT_K=split_k)
         act = torch.empty((ids.numel(), inter), dtype=torch.bfloat16)
-        triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=ids, topk=top_k, swiglu=True, config=cfg)
+        triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=ids, topk=top_k, swiglu=True, op_order=op_order,
+                                      config=cfg)
         for p in range(ids.numel()):
             h = reference.nvfp4_gemm(reference._rows(a, torch.tensor([p // top_k])), reference._expert(w13, int(ids[p])),
                                      out_dtype=torch.float32)
             want = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)[0].float()
             assert bool(((act[p].float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()), f"SwiGLU row {p}"
-    want = reference.moe(x, w13, w2, topk_w, topk_ids).float()
-    got = triton_moe.moe(x, w13, w2, topk_w, topk_ids)
+    want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
+    got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)
     assert ids.numel() <= triton_gemm.PAIRED_MAX_PAIRS
-    assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids)), "MoE decode not deterministic"
+    assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)), "MoE not deterministic"
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
 
@@ -118,7 +190,9 @@ def test_decode_kernels_under_the_interpreter():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    check_gemv()
+    for order in ("vllm", "te"):
+        check_quantizers(order)
+        check_gemv(order)
+        check_moe_pairs(order)
     check_packed_split_k()
-    check_moe_pairs()
     print("interpreter checks passed")

@@ -53,8 +53,9 @@ def greedy(llm, ids: list[list[int]], n: int = 8) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def reference_model(model, *, dtype=torch.float32, state: dict[str, torch.Tensor] | None = None):
-    """The HF model (optionally with `state` tensors replacing checkpoint tensors), W4A4 via quantize_model."""
+def reference_model(model, *, dtype=torch.float32, state: dict[str, torch.Tensor] | None = None, config=None):
+    """The HF model (optionally with `state` tensors replacing checkpoint tensors), W4A4 via
+    quantize_model under `config` (a SamplerConfig; default options when None)."""
     from transformers import AutoModelForCausalLM
 
     from sampler_plugin.torch_modules import quantize_model
@@ -62,7 +63,7 @@ def reference_model(model, *, dtype=torch.float32, state: dict[str, torch.Tensor
     m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
     if state:
         m.load_state_dict(state, strict=False)
-    quantize_model(m)
+    quantize_model(m, config)
     return m.eval()
 
 
