@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
                    help="quantizer float-op order: vllm (default, the spec) or te (TransformerEngine's, bit "
                         "for bit; also makes the sampler quantize activations TE's way)")
+    p.add_argument("--shared-group-scale", action="store_true",
+                   help="q/k/v and gate/up (per expert) share one second-level scale, as learners that "
+                        "quantize fused QKV / gate-up tensors (Megatron) hold them")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="write N pre-sharded tensor-parallel rank folders DST/rank-00 ... (default 1: unsharded)")
     p.add_argument("--keep-bf16", default="", metavar="PREFIXES",
@@ -45,8 +48,8 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     try:
-        options = ConvertOptions(recipe=args.recipe, op_order=args.op_order, tp=args.tp, device=args.device,
-                                 bucket_bytes=args.bucket_bytes,
+        options = ConvertOptions(recipe=args.recipe, op_order=args.op_order, shared_group_scale=args.shared_group_scale,
+                                 tp=args.tp, device=args.device, bucket_bytes=args.bucket_bytes,
                                  keep_bf16=tuple(p for p in args.keep_bf16.split(",") if p),
                                  report=not args.no_report)
         source = SafetensorsFolder(args.src)

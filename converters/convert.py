@@ -45,6 +45,10 @@ class ConvertOptions:
     op_order: the quantizers' float-op order, "vllm" (the spec) or "te" (TransformerEngine's, bit
       for bit); written into the checkpoint's quantization_config, so the sampler quantizes its
       activations the same way.
+    shared_group_scale: float weights that engines fuse (q/k/v, gate/up; per expert) share one
+      second-level scale, from the amax of the whole group (`reference.quantize_weight_group`), as
+      learners that quantize a fused QKV / gate-up tensor hold them (Megatron + TE). Costs one more
+      read of each group's other members; needs a source whose names are known up front.
     keep_bf16: module-name prefixes left in BF16 (on top of lm_head, embeddings, routers).
     tp: write the checkpoint pre-sharded for this many tensor-parallel ranks (files only).
     device: where tensors are converted and output ("cpu", "cuda", "cuda:1"); None (default): on the
@@ -57,6 +61,7 @@ class ConvertOptions:
 
     recipe: str = "1d"
     op_order: str = "vllm"
+    shared_group_scale: bool = False
     keep_bf16: tuple[str, ...] = ()
     tp: int = 1
     device: str | None = None
@@ -160,10 +165,16 @@ class _Converter:
         self._live = 0                       # bytes held by buckets + the current tensor
         specs = source.specs()
         self._prechecked = specs is not None     # every output checked here; else as tensors arrive
+        self._origin: dict[str, tuple[str, name_map.Mapped]] = {}    # sampler name -> (source name, mapping)
+        self._group_amax: dict[tuple[str, ...], torch.Tensor] = {}
+        if options.shared_group_scale and specs is None:
+            raise ValueError("shared_group_scale needs a source whose tensors are known up front (a folder or a "
+                             "mapping), not a one-shot iterable: a group's amax is read before it is quantized")
         if specs is not None:
             for name, shape, dtype in specs:
                 for m in name_map.expand(name, shape, tied_embeddings=self.tied):
                     self._check(m.name, _mapped_shape(shape, m), dtype)
+                    self._origin[m.name] = (name, m)
 
     def quantized(self, name: str) -> bool:
         """True if sampler tensor `name` is written as an NVFP4 triplet under these options."""
@@ -248,9 +259,13 @@ class _Converter:
             return None
         rows = maps[0].index[1]
         w = value if self.device is None else value.to(self.device)
+        parts = w.shape[1] // (rows.stop - rows.start)
+        amax = None
+        if self.options.shared_group_scale:              # an expert's parts (gate, up) are its fused group
+            amax = w.abs().amax(dim=(1, 2)).float().repeat_interleave(parts)
         w = w.reshape(-1, rows.stop - rows.start, w.shape[-1])                  # [E * parts, R, C]
         try:
-            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, op_order=self.options.op_order,
+            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, amax=amax, op_order=self.options.op_order,
                                             backend=self.options.backend)
         except ValueError as e:
             raise ValueError(f"{src_name}: {str(e).removeprefix('weight: ')}") from e
@@ -287,8 +302,8 @@ class _Converter:
         else:
             w = value if self.device is None else value.to(self.device)
             try:
-                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, op_order=self.options.op_order,
-                                            backend=self.options.backend)
+                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, amax=self._shared_amax(name, w.device),
+                                                op_order=self.options.op_order, backend=self.options.backend)
             except ValueError as e:
                 raise ValueError(f"{name}: {str(e).removeprefix('weight: ')}") from e
             report = self._quant_report(name, w, q) if self.options.report else None
@@ -296,6 +311,28 @@ class _Converter:
             self.summary.reports.append(report)
         return {f"{prefix}.{schema.WEIGHT}": q.codes, f"{prefix}.{schema.SCALE}": q.block_scales,
                 f"{prefix}.{schema.SCALE_2}": q.global_scale}
+
+    def _shared_amax(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """max|w| over the fused group of float weight `name` under options.shared_group_scale (read
+        from the source once per group, then cached), else None (the weight's own amax)."""
+        group = schema.fused_group(name) if self.options.shared_group_scale else None
+        if group is None:
+            return None
+        if group not in self._group_amax:
+            members = [self._origin[n] for n in group if n in self._origin]
+            amax = torch.zeros((), dtype=torch.float32)
+            for src_name, value in self.source.tensors({src for src, _ in members}):
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise ValueError(f"{src_name}: shared_group_scale quantizes float weights; this group member is "
+                                     f"already NVFP4 (it keeps the learner's own scale)")
+                for src, m in members:
+                    if src == src_name:
+                        part = (value if m.index is None else value[m.index]).abs().amax().float().cpu()
+                        if not torch.isfinite(part):
+                            raise ValueError(f"{src_name}: contains NaN or Inf")
+                        amax = torch.maximum(amax, part)
+            self._group_amax[group] = amax
+        return self._group_amax[group].to(device)
 
     def _quant_report(self, name: str, w: torch.Tensor, q: NVFP4Tensor, *, chunk: int = 1 << 16) -> TensorReport:
         """Relative Frobenius and max abs error of deq(q) against w, over cache-sized row chunks (no

@@ -29,6 +29,7 @@ TRIPLET_DTYPES = {WEIGHT: "uint8", SCALE: "float8_e4m3fn", SCALE_2: "float32"}
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # split N across TP ranks
 ROW_PARALLEL = ("o_proj", "down_proj")                                    # split K across TP ranks
 LINEARS = COLUMN_PARALLEL + ROW_PARALLEL                                  # the linears NVFP4 applies to
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # engines fuse these into one layer
 # Always BF16: output head, embeddings, and MoE routers (`mlp.gate`, a plain linear in every engine;
 # quantizing it changes expert choices). Matched on the module name's components.
 ALWAYS_BF16_SUFFIXES = ("lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate")
@@ -109,6 +110,16 @@ def should_quantize(prefix: str, config: SamplerConfig) -> bool:
     if any(prefix == s or prefix.endswith("." + s) for s in ALWAYS_BF16_SUFFIXES):
         return False
     return not any(prefix == p or prefix.startswith(p.rstrip(".") + ".") for p in config.keep_bf16)
+
+
+def fused_group(name: str) -> tuple[str, ...] | None:
+    """Checkpoint names of the weights engines fuse with weight `name` into one layer (q/k/v ->
+    qkv_proj, gate/up -> gate_up_proj, per expert), `name` among them; None if it is not fused.
+    E.g. "m.layers.0.self_attn.k_proj.weight" -> ("m.layers.0.self_attn.q_proj.weight", ... v_proj)."""
+    prefix, _, leaf = name.rpartition(".")
+    parent, _, module = prefix.rpartition(".")
+    group = next((g for g in FUSED_GROUPS if module in g), None)
+    return None if group is None else tuple(f"{parent}.{m}.{leaf}" for m in group)
 
 
 def is_nvfp4_weight(name: str, config: SamplerConfig) -> bool:

@@ -55,7 +55,8 @@ def _push(args: argparse.Namespace) -> int:
 
     with SamplerClient(args.url, token=args.token, retries=args.retries) as c:
         res = c.push(args.source, layout=args.layout, version=args.version, recipe=args.recipe,
-                     op_order=args.op_order, device=args.device, bucket_bytes=args.bucket_bytes)
+                     op_order=args.op_order, shared_group_scale=args.shared_group_scale, device=args.device,
+                     bucket_bytes=args.bucket_bytes)
     print(json.dumps(res.to_dict(), indent=2))
     return 0
 
@@ -107,6 +108,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="weight recipe of the conversion")
     p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
                    help="quantizer float-op order of the conversion (te: TransformerEngine's)")
+    p.add_argument("--shared-group-scale", action="store_true",
+                   help="q/k/v and gate/up share one second-level scale (as fused-QKV learners hold them)")
     p.add_argument("--device", default=None, help="where to convert (e.g. cuda; default: cpu, where files are read)")
     p.add_argument("--bucket-bytes", type=int, default=512 << 20,
                    help="bytes per streamed bucket; host memory holds about two (default 512 MiB)")

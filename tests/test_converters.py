@@ -224,6 +224,51 @@ def test_fused_transformers5_experts_split_like_per_expert_checkpoint(tmp_path, 
     assert all(_bits_equal(fused[n], files[n]) for n in files)
 
 
+def test_shared_group_scale_equals_quantize_weight_group(tmp_path):
+    """shared_group_scale: q/k/v and gate/up each share one weight_scale_2 and are bit for bit
+    `reference.quantize_weight_group` (in either op order); without it every tensor has its own."""
+    weights = _weights(seed=5)
+    for op_order in ("vllm", "te"):
+        out_dir = tmp_path / op_order
+        options = ConvertOptions(shared_group_scale=True, op_order=op_order)
+        convert(StateDictSource(weights, config=CONFIG), out_dir, options)
+        out = _read(out_dir)
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parent = "model.layers.0.self_attn" if "q_proj" in group else "model.layers.0.mlp"
+            want = reference.quantize_weight_group([weights[f"{parent}.{m}.weight"] for m in group], op_order=op_order)
+            for m, q in zip(group, want):
+                assert _bits_equal(out[f"{parent}.{m}.weight"], q.codes), m
+                assert _bits_equal(out[f"{parent}.{m}.weight_scale"], q.block_scales), m
+                assert _bits_equal(out[f"{parent}.{m}.weight_scale_2"], q.global_scale), m
+        down = reference.quantize_weight(weights["model.layers.0.mlp.down_proj.weight"], op_order=op_order)
+        assert _bits_equal(out["model.layers.0.mlp.down_proj.weight_scale_2"], down.global_scale)   # not fused
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "own", ConvertOptions())
+    own = _read(tmp_path / "own")
+    scales = {own[f"model.layers.0.self_attn.{m}.weight_scale_2"].item() for m in ("q_proj", "k_proj", "v_proj")}
+    assert len(scales) == 3
+
+
+def test_shared_group_scale_fused_experts_equal_per_expert_files(tmp_path, moe_folder):
+    """Experts: gate and up of each expert share a scale, the same bits whether the source is the
+    per-expert folder or a transformers-5 state dict with fused gate_up_proj [E, 2I, H]; a one-shot
+    iterable source is refused (a group's amax must be read before the group is quantized)."""
+    from transformers import AutoModelForCausalLM
+
+    options = ConvertOptions(shared_group_scale=True)
+    convert(moe_folder, tmp_path / "files", options)
+    model = AutoModelForCausalLM.from_pretrained(moe_folder, dtype=torch.bfloat16)
+    state = model.state_dict()
+    convert(StateDictSource(state, config=model.config.to_dict()), tmp_path / "fused", options)
+    files, fused = _read(tmp_path / "files"), _read(tmp_path / "fused")
+    assert sorted(fused) == sorted(files) and all(_bits_equal(fused[n], files[n]) for n in files)
+    expert = "model.layers.0.mlp.experts.3"
+    assert torch.equal(files[f"{expert}.gate_proj.weight_scale_2"], files[f"{expert}.up_proj.weight_scale_2"])
+    gate_up = state["model.layers.0.mlp.experts.gate_up_proj"][3]
+    assert files[f"{expert}.gate_proj.weight_scale_2"] == reference.decode_scale_from_amax(gate_up.abs().amax().float())
+    with pytest.raises(ValueError, match="shared_group_scale needs a source whose tensors are known up front"):
+        convert(StateDictSource(iter(state.items()), config=model.config.to_dict()), tmp_path / "iter", options)
+
+
 def test_name_map():
     assert name_map.rename("_orig_mod.module.model.norm.weight") == "model.norm.weight"
     assert name_map.rename("model.layers.0.self_attn.rotary_emb.inv_freq") is None
@@ -405,7 +450,8 @@ def test_cli_convert_prints_summary(tmp_path):
     src = _sharded(tmp_path, _weights())
     (src / "tokenizer.json").write_text("{}")
     run = subprocess.run([sys.executable, "-m", "server.cli", "convert", str(src), str(tmp_path / "out"),
-                          "--recipe", "2d", "--op-order", "te", "--keep-bf16", "model.layers.0.mlp.down_proj"],
+                          "--recipe", "2d", "--op-order", "te", "--shared-group-scale",
+                          "--keep-bf16", "model.layers.0.mlp.down_proj"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "converted 9 tensors -> 21" in run.stdout and "GB/s" in run.stdout
@@ -415,6 +461,9 @@ def test_cli_convert_prints_summary(tmp_path):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert cfg["weight_recipe"] == "2d" and cfg["keep_bf16"] == ["model.layers.0.mlp.down_proj"]
     assert cfg["op_order"] == "te"
+    out = _read(tmp_path / "out")
+    assert len({out[f"model.layers.0.self_attn.{m}.weight_scale_2"].item() for m in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert len({out[f"model.layers.0.mlp.{m}.weight_scale_2"].item() for m in ("gate_proj", "up_proj")}) == 1
 
 
 def test_cli_error_is_clear_and_nonzero(tmp_path):
