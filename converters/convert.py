@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from kernels import dispatch, reference
+from kernels import cpu_quant, dispatch, reference
 from kernels.format import BLOCK, NVFP4Tensor
 from sampler_format import SamplerConfig
 
@@ -56,7 +56,7 @@ class ConvertOptions:
     backend: kernels backend of the weight quantizer.
     quantize: False passes every tensor through renamed, unquantized (a BF16 weight update).
     bucket_bytes: output bytes per shard / per yielded bucket.
-    report: compute per-tensor errors (one dequantize per tensor).
+    report: compute per-tensor errors (on the CPU in the quantizing pass, elsewhere one dequantize).
     """
 
     recipe: str = "1d"
@@ -264,16 +264,13 @@ class _Converter:
         if self.options.shared_group_scale:              # an expert's parts (gate, up) are its fused group
             amax = w.abs().amax(dim=(1, 2)).float().repeat_interleave(parts)
         w = w.reshape(-1, rows.stop - rows.start, w.shape[-1])                  # [E * parts, R, C]
-        try:
-            q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, amax=amax, op_order=self.options.op_order,
-                                            backend=self.options.backend)
-        except ValueError as e:
-            raise ValueError(f"{src_name}: {str(e).removeprefix('weight: ')}") from e
+        q, err = self._quantize(w, amax, src_name)
         groups = []
         for i, m in enumerate(maps):
             qi = NVFP4Tensor(q.codes[i], q.block_scales[i], q.global_scale[i])
             if self.options.report:
-                self.summary.reports.append(self._quant_report(m.name, w[i], qi))
+                err_i = None if err is None else cpu_quant.QuantizationError(*(t[i] for t in err))
+                self.summary.reports.append(self._quant_report(m.name, w[i], qi, err_i))
             prefix, _ = schema.split_name(m.name)
             groups.append({f"{prefix}.{schema.WEIGHT}": qi.codes, f"{prefix}.{schema.SCALE}": qi.block_scales,
                            f"{prefix}.{schema.SCALE_2}": qi.global_scale})
@@ -301,12 +298,8 @@ class _Converter:
             report = None
         else:
             w = value if self.device is None else value.to(self.device)
-            try:
-                q = dispatch.quantize_weight_on(w, recipe=self.options.recipe, amax=self._shared_amax(name, w.device),
-                                                op_order=self.options.op_order, backend=self.options.backend)
-            except ValueError as e:
-                raise ValueError(f"{name}: {str(e).removeprefix('weight: ')}") from e
-            report = self._quant_report(name, w, q) if self.options.report else None
+            q, err = self._quantize(w, self._shared_amax(name, w.device), name)
+            report = self._quant_report(name, w, q, err) if self.options.report else None
         if report is not None:
             self.summary.reports.append(report)
         return {f"{prefix}.{schema.WEIGHT}": q.codes, f"{prefix}.{schema.SCALE}": q.block_scales,
@@ -334,21 +327,38 @@ class _Converter:
             self._group_amax[group] = amax
         return self._group_amax[group].to(device)
 
-    def _quant_report(self, name: str, w: torch.Tensor, q: NVFP4Tensor, *, chunk: int = 1 << 16) -> TensorReport:
-        """Relative Frobenius and max abs error of deq(q) against w, over cache-sized row chunks (no
-        whole-tensor fp32 temporaries; sums in fp32 within a chunk, fp64 across chunks)."""
-        w2, gs = w.reshape(-1, w.shape[-1]), q.row_global_scale().reshape(-1)
-        codes, scales = q.codes.reshape(-1, q.codes.shape[-1]), q.block_scales.reshape(-1, q.block_scales.shape[-1])
-        err2 = ref2 = emax = torch.zeros((), dtype=torch.float64, device=w.device)
-        rows = max(1, chunk // w2.shape[-1])
-        for r in range(0, w2.shape[0], rows):
-            part = NVFP4Tensor(codes[r:r + rows], scales[r:r + rows], gs[r:r + rows])
-            wf = w2[r:r + rows].float()
-            err = reference.dequantize(part).sub_(wf)
-            err2 = err2 + err.square().sum().double()
-            ref2 = ref2 + wf.square().sum().double()
-            emax = torch.maximum(emax, err.abs().max())
-        norm, enorm, emax = ref2.sqrt().item(), err2.sqrt().item(), emax.item()
+    def _quantize(self, w: torch.Tensor, amax: torch.Tensor | None,
+                  what: str) -> tuple[NVFP4Tensor, cpu_quant.QuantizationError | None]:
+        """NVFP4 of float w ([N, K] or stacked [E, N, K]) under the options, with its error per matrix
+        when the report is on and w is on the CPU (`cpu_quant` computes it in the quantizing pass;
+        elsewhere `_quant_report` dequantizes). ValueError messages name `what`."""
+        kw = dict(recipe=self.options.recipe, amax=amax, op_order=self.options.op_order)
+        try:
+            if self.options.report and w.device.type == "cpu" and self.options.backend in ("auto", "reference"):
+                return cpu_quant.quantize_weight_with_error(w, **kw)
+            return dispatch.quantize_weight_on(w, backend=self.options.backend, **kw), None
+        except ValueError as e:
+            raise ValueError(f"{what}: {str(e).removeprefix('weight: ')}") from e
+
+    def _quant_report(self, name: str, w: torch.Tensor, q: NVFP4Tensor, err: cpu_quant.QuantizationError | None,
+                      *, chunk: int = 1 << 16) -> TensorReport:
+        """Relative Frobenius and max abs error of deq(q) against w: `err` when the quantizer gave it,
+        else computed over cache-sized row chunks (no whole-tensor fp32 temporaries; sums in fp32
+        within a chunk, fp64 across chunks)."""
+        if err is None:
+            w2, gs = w.reshape(-1, w.shape[-1]), q.row_global_scale().reshape(-1)
+            codes, scales = q.codes.reshape(-1, q.codes.shape[-1]), q.block_scales.reshape(-1, q.block_scales.shape[-1])
+            err2 = ref2 = emax = torch.zeros((), dtype=torch.float64, device=w.device)
+            rows = max(1, chunk // w2.shape[-1])
+            for r in range(0, w2.shape[0], rows):
+                part = NVFP4Tensor(codes[r:r + rows], scales[r:r + rows], gs[r:r + rows])
+                wf = w2[r:r + rows].float()
+                diff = reference.dequantize(part).sub_(wf)
+                err2 = err2 + diff.square().sum().double()
+                ref2 = ref2 + wf.square().sum().double()
+                emax = torch.maximum(emax, diff.abs().max())
+            err = cpu_quant.QuantizationError(err2, ref2, emax)
+        norm, enorm, emax = err.ref_sq.sqrt().item(), err.err_sq.sqrt().item(), err.max_abs.item()
         rel = enorm / norm if norm else float(emax > 0)
         return TensorReport(name, tuple(w.shape), str(w.dtype).removeprefix("torch."), rel, emax)
 

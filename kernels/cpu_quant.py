@@ -12,11 +12,16 @@ same numbers in chunks of rows that stay in cache, with preallocated buffers and
                E2M1 step (0.5, 1, 2) of that range, so fp32 round-to-nearest-even of the sum is
                E2M1's round-to-nearest-even; code = (bits(a + M) - bits(M)) + 2 e; sign bit 3
   packing      two int32 codes read as one int64 v: byte = (v | v >> 28) & 0xFF (low nibble even)
+  error        optionally (`quantize_weight_with_error`) the quantization error in the same pass:
+               |deq| = ((a + M) - M) * s * S_dec as `reference.dequantize` computes it, and
+               |deq - x| = ||deq| - |x|| (deq has x's sign), summed per row while the chunk is in cache
 
 Weights only (the converter's and the engines' load-time work); `kernels.dispatch` routes CPU
 weights here. Uses torch's intra-op threads (`torch.set_num_threads`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,11 +36,36 @@ _EXP_ONE = 127                  # fp32 biased exponent of 1.0
 _MAGIC_EXP = 22                 # M = 2^(22 + e): ulp 0.5 for e = 0
 
 
+class QuantizationError(NamedTuple):
+    """Error of a quantized weight against its source, per matrix (shape [] for [N, K], [E] for
+    experts), float64: sum of (deq - w)^2, sum of w^2, max |deq - w| (deq = `reference.dequantize`)."""
+
+    err_sq: torch.Tensor
+    ref_sq: torch.Tensor
+    max_abs: torch.Tensor
+
+    def rel_fro(self) -> torch.Tensor:
+        """||deq - w|| / ||w|| (0 for an all-zero w)."""
+        return (self.err_sq / self.ref_sq.clamp(min=torch.finfo(torch.float64).tiny)).sqrt()
+
+
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
                     op_order: str = "vllm") -> NVFP4Tensor:
     """`reference.quantize_weight` on a CPU tensor: w [N, K] or [E, N, K] bf16/fp16/fp32 ->
     NVFP4Tensor (codes uint8 [..., K/2], block_scales e4m3 [..., K/16], global_scale fp32 [] or [E]).
     Same arguments, results (bit for bit) and errors as the reference; a given amax must be finite."""
+    return _quantize(w, recipe=recipe, amax=amax, op_order=op_order, error=False)[0]
+
+
+def quantize_weight_with_error(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
+                               op_order: str = "vllm") -> tuple[NVFP4Tensor, QuantizationError]:
+    """`quantize_weight` and its error against w (`QuantizationError`), computed in the same pass
+    (the converter's report without a dequantization pass)."""
+    return _quantize(w, recipe=recipe, amax=amax, op_order=op_order, error=True)
+
+
+def _quantize(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, op_order: str,
+              error: bool) -> tuple[NVFP4Tensor, QuantizationError | None]:
     reference._check_input(w, "weight", finite=False)
     reference._check_op_order(op_order)
     if w.device.type != "cpu":
@@ -49,14 +79,27 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
                          f"block scales 0 * inf = NaN)")
     rows = w.contiguous().reshape(-1, w.shape[-1])                           # [R, K]
     block_amax = _block_amax(rows).reshape(*w.shape[:-1], -1)                # fp32 [..., N, K/16]
+    row_amax = block_amax.reshape(rows.shape[0], -1).amax(-1)                # [R]
     if amax is None:
         amax = block_amax.amax(dim=(-2, -1))                                 # max|w|, [] or [E]
     if recipe == "2d":
         block_amax = reference.tile_amax_2d(block_amax)
     s_enc = reference.encode_scale_from_amax(amax, op_order=op_order)
     scales, inv = reference.block_scales(block_amax, s_enc, op_order=op_order)
-    codes = _encode(rows, inv.reshape(rows.shape[0], -1)).reshape(*w.shape[:-1], -1)
-    return NVFP4Tensor(codes, scales, (1.0 / s_enc.float()).contiguous())
+    gs = (1.0 / s_enc.float()).contiguous()
+    stats = None
+    if error:            # dequantization factors and 2^-exponent(max|row|) of each row
+        rows_gs = gs.reshape(-1, 1).expand(-1, w.shape[-2]).reshape(-1)
+        unit = torch.ldexp(torch.ones_like(row_amax), -torch.frexp(row_amax).exponent)
+        stats = (scales.float().reshape(rows.shape[0], -1), rows_gs, unit)
+    codes, per_row = _encode(rows, inv.reshape(rows.shape[0], -1), stats)
+    q = NVFP4Tensor(codes.reshape(*w.shape[:-1], -1), scales, gs)
+    if not error:
+        return q, None
+    lead = w.shape[:-2]
+    err, ref, max_abs = (t.double().reshape(*lead, -1) for t in per_row)
+    unit = stats[2].double().reshape(*lead, -1)
+    return q, QuantizationError((err / unit).square().sum(-1), (ref / unit).square().sum(-1), max_abs.amax(-1))
 
 
 def _chunk_rows(k: int) -> int:
@@ -82,12 +125,22 @@ def _block_amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.dtype).float()
 
 
-def _encode(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """x [R, K] contiguous float, inv fp32 [R, K/16] -> packed E2M1 codes uint8 [R, K/2] of
-    clamp(x * inv, -6, 6), rounded to nearest even (module docstring)."""
+def _encode(x: torch.Tensor, inv: torch.Tensor,
+            stats: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, tuple | None]:
+    """x [R, K] contiguous float, inv fp32 [R, K/16] -> (packed E2M1 codes uint8 [R, K/2] of
+    clamp(x * inv, -6, 6), rounded to nearest even (module docstring), per-row error sums).
+
+    stats: (block scales as fp32 [R, K/16], S_dec per row fp32 [R], a power of two per row fp32 [R]
+    that brings the row's max to [0.5, 1)) to also return, per row (fp32 [R] each): ||deq - x|| and
+    ||x|| in units of that power of two (the fp32 squares neither overflow nor underflow), and
+    max |deq - x|; None: no error (second item None)."""
     r_total, k = x.shape
     step = _chunk_rows(k)
     codes = torch.empty(r_total, k // 2, dtype=torch.uint8)
+    if stats is not None:
+        dq = torch.empty(step, k, dtype=torch.float32)         # |deq|, then (|deq| - |x|)^2
+        xa = torch.empty(step, k, dtype=x.dtype)               # |x|
+        per_row = tuple(torch.empty(r_total, dtype=torch.float32) for _ in range(3))
     f = torch.empty(step, k, dtype=torch.float32)              # x * inv, then |x * inv|
     sign = torch.empty(step, k, dtype=torch.int32)             # bit 3 = sign
     magic = torch.empty(step, k, dtype=torch.int32)            # bits of M = 2^(22 + e)
@@ -105,10 +158,28 @@ def _encode(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         torch.bitwise_right_shift(fb, 23, out=m)                # biased exponent of a
         m.clamp_(min=_EXP_ONE).add_(_MAGIC_EXP).bitwise_left_shift_(23)
         torch.add(fr, m.view(torch.float32), out=t)              # the one rounding
+        if stats is not None:
+            _row_errors(x[r0:r0 + r], t, m, *(st[r0:r0 + r] for st in stats), dq[:r], xa[:r],
+                        [p_[r0:r0 + r] for p_ in per_row])
         tb.sub_(m)                                               # k = round(a / ulp(M))
         m.bitwise_right_shift_(22).sub_(2 * (_EXP_ONE + _MAGIC_EXP))   # 2 e
         tb.add_(m).bitwise_or_(sg)
         pairs = tb.view(torch.int64)                             # [r, K/2]: even code low, odd high
         torch.bitwise_right_shift(pairs, 28, out=p).bitwise_or_(pairs).bitwise_and_(0xFF)
         codes[r0:r0 + r].copy_(p)
-    return codes
+    return codes, (per_row if stats is not None else None)
+
+
+def _row_errors(x: torch.Tensor, t: torch.Tensor, m: torch.Tensor, scales: torch.Tensor, gs: torch.Tensor,
+                unit: torch.Tensor, dq: torch.Tensor, xa: torch.Tensor, out: list[torch.Tensor]) -> None:
+    """Per-row error of one chunk (see `_encode`): t = a + M and m = bits(M) as `_encode` holds them."""
+    r = x.shape[0]
+    torch.abs(x, out=xa)
+    torch.mul(xa, unit[:, None], out=dq)                         # exact: a power of two
+    torch.linalg.vector_norm(dq, 2, dim=1, out=out[1])
+    torch.sub(t, m.view(torch.float32), out=dq)                  # the E2M1 magnitude, exact
+    dq.view(r, -1, BLOCK).mul_(scales[:, :, None])               # e2m1 * s, exact
+    dq.mul_(gs[:, None])                                         # * S_dec: the reference's one rounding
+    dq.sub_(xa).abs_()
+    torch.amax(dq, dim=1, out=out[2])
+    torch.linalg.vector_norm(dq.mul_(unit[:, None]), 2, dim=1, out=out[0])

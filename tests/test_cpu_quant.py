@@ -40,7 +40,7 @@ def test_e2m1_rounding_at_every_decision_point():
     xs = sorted(vals)
     x = torch.tensor(xs + [-v for v in xs] + [0.0] * ((-2 * len(xs)) % 16), dtype=torch.float32)
     x = x.reshape(-1, 16)
-    got = cpu_quant._encode(x.contiguous(), torch.ones(x.shape[0], 1))
+    got, _ = cpu_quant._encode(x.contiguous(), torch.ones(x.shape[0], 1))
     want = reference.pack_nibbles(reference.e2m1_encode(torch.clamp(x, -6.0, 6.0)))
     assert torch.equal(got, want)
 
@@ -89,11 +89,29 @@ def test_bit_identical_to_reference(w, recipe, given_amax, op_order, amax_scale)
     assert_same(got, want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(w=weights(), recipe=st.sampled_from(["1d", "2d"]), op_order=st.sampled_from(["vllm", "te"]))
+def test_error_in_the_same_pass_equals_the_dequantized_error(w, recipe, op_order):
+    """quantize_weight_with_error: the same codes, and per matrix the error of `reference.dequantize`
+    against w (sums within fp32 reordering)."""
+    got, err = cpu_quant.quantize_weight_with_error(w, recipe=recipe, op_order=op_order)
+    assert_same(got, reference.quantize_weight(w, recipe=recipe, op_order=op_order))
+    diff = (reference.dequantize(got) - w.float()).double()
+    dims = (-2, -1)
+    assert err.err_sq.shape == got.global_scale.shape
+    torch.testing.assert_close(err.err_sq, diff.square().sum(dims), rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(err.ref_sq, w.double().square().sum(dims), rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(err.max_abs, diff.abs().amax(dims), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("shape", [(300, 512), (2, (1 << 17) + 16), (5, 1000 * 16)])
 def test_many_chunks_and_rows_longer_than_a_chunk(shape):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for recipe in ("1d", "2d"):
         assert_same(cpu_quant.quantize_weight(w, recipe=recipe), reference.quantize_weight(w, recipe=recipe))
+    _, err = cpu_quant.quantize_weight_with_error(w)
+    deq = reference.dequantize(reference.quantize_weight(w)).double()
+    torch.testing.assert_close(err.err_sq, (deq - w.double()).square().sum(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("default_dtype", [torch.bfloat16, torch.float16])
