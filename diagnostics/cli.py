@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="the learner's BF16 HF folder (with --url)")
     p.add_argument("--learner", choices=("per_token", "per_tensor", "bf16"), default="per_token",
                    help="learner-side activation scaling of the W4A4 recompute, or bf16 (no quantization)")
+    p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="learner's weight recipe (2d: TE's)")
+    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
+                   help="learner's quantizer float-op order (te: TransformerEngine's); match the sampler's config")
     p.add_argument("--prompts", type=int, default=4, help="number of built-in prompts to sample (with --url)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -55,8 +58,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def load_learner(model_dir: str | Path, scaling: str):
-    """The learner-side model: BF16 transformers, W4A4 with `scaling` activations unless scaling == "bf16"."""
+def load_learner(model_dir: str | Path, scaling: str, *, recipe: str = "1d", op_order: str = "vllm"):
+    """The learner-side model: BF16 transformers, W4A4 with `scaling` activations, weights in `recipe`
+    and both quantized in `op_order` (SamplerConfig's options), unless scaling == "bf16"."""
     from transformers import AutoModelForCausalLM
 
     from sampler_plugin.config import SamplerConfig
@@ -64,7 +68,7 @@ def load_learner(model_dir: str | Path, scaling: str):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     if scaling != "bf16":
-        quantize_model(model, SamplerConfig(activation_scaling=scaling))
+        quantize_model(model, SamplerConfig(activation_scaling=scaling, weight_recipe=recipe, op_order=op_order))
     return model
 
 
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(args.model)
         prompts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[:args.prompts]
         samples = sample(args.url, tok, prompts, max_tokens=args.max_tokens, seed=args.seed)
-        learner = load_learner(args.model, args.learner)
+        learner = load_learner(args.model, args.learner, recipe=args.recipe, op_order=args.op_order)
         seqs = [p + r for p, r, _ in samples]
         pi_rows = learner_logprobs(learner, seqs, [len(p) for p, _, _ in samples])
         mu_rows, masks = [lp for _, _, lp in samples], None
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             rng = random.Random(args.seed)
             adv = [rng.choice((-1.0, 1.0)) for _ in samples]
         if args.operators:
-            sampler = load_learner(args.model, "per_token")
+            sampler = load_learner(args.model, "per_token", recipe=args.recipe, op_order=args.op_order)
             ops = {}
             for i, s in enumerate(seqs):
                 for name, row in compare(sampler, teacher_forced(learner, s), decode(sampler, s), sequence=i).items():

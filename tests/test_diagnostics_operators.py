@@ -112,3 +112,23 @@ def test_weight_recipe_mismatch_is_reported():
     assert same["weight_code_mismatch"] == 0 and same["weight_rel_err"] == 0
     conv = ops.compare_weights(R.quantize_weight(w, recipe="2d", op_order="te"), R.quantize_weight(w))
     assert conv["weight_scale_mismatch"] > 0.5 and conv["weight_code_mismatch"] > 0.01
+
+
+def test_diagnose_learner_takes_the_recipe(tmp_path):
+    """`diagnose --recipe 2d --op-order te`: the learner-side recompute holds TE-quantized weights and
+    its operator capture quantizes activations in TE's order (what a TE-recipe sampler runs)."""
+    from diagnostics.cli import load_learner
+    from kernels import reference
+    from tests import models
+
+    path = models.tiny_qwen3(tmp_path / "m", seed=3)
+    learner = load_learner(path, "per_token", recipe="2d", op_order="te")
+    plain = load_learner(path, "bf16")
+    name = "model.layers.0.mlp.down_proj"
+    layer, w = learner.get_submodule(name), plain.get_submodule(name).weight
+    assert layer.config.op_order == "te" and layer.config.weight_recipe == "2d"
+    want = reference.quantize_weight(w, recipe="2d", op_order="te")
+    assert torch.equal(layer.codes, want.codes) and torch.equal(layer.global_scale, want.global_scale.expand(w.shape[0]))
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = ops.Quantized.of(x, scaling="per_token", op_order=layer.config.op_order)
+    assert torch.equal(got.global_scale, reference.quantize_per_token(x, op_order="te").global_scale)
