@@ -44,10 +44,6 @@ class QuantizationError(NamedTuple):
     ref_sq: torch.Tensor
     max_abs: torch.Tensor
 
-    def rel_fro(self) -> torch.Tensor:
-        """||deq - w|| / ||w|| (0 for an all-zero w)."""
-        return (self.err_sq / self.ref_sq.clamp(min=torch.finfo(torch.float64).tiny)).sqrt()
-
 
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
                     op_order: str = "vllm") -> NVFP4Tensor:
@@ -79,9 +75,9 @@ def _quantize(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, op_ord
                          f"block scales 0 * inf = NaN)")
     rows = w.contiguous().reshape(-1, w.shape[-1])                           # [R, K]
     block_amax = _block_amax(rows).reshape(*w.shape[:-1], -1)                # fp32 [..., N, K/16]
-    row_amax = block_amax.reshape(rows.shape[0], -1).amax(-1)                # [R]
     if amax is None:
         amax = block_amax.amax(dim=(-2, -1))                                 # max|w|, [] or [E]
+    row_amax = block_amax.reshape(rows.shape[0], -1).amax(-1) if error else None   # [R], before 2d tiling
     if recipe == "2d":
         block_amax = reference.tile_amax_2d(block_amax)
     s_enc = reference.encode_scale_from_amax(amax, op_order=op_order)
@@ -138,7 +134,7 @@ def _encode(x: torch.Tensor, inv: torch.Tensor,
     step = _chunk_rows(k)
     codes = torch.empty(r_total, k // 2, dtype=torch.uint8)
     if stats is not None:
-        dq = torch.empty(step, k, dtype=torch.float32)         # |deq|, then (|deq| - |x|)^2
+        dq = torch.empty(step, k, dtype=torch.float32)         # |x| in row units, then |deq|, then |deq - x|
         xa = torch.empty(step, k, dtype=x.dtype)               # |x|
         per_row = tuple(torch.empty(r_total, dtype=torch.float32) for _ in range(3))
     f = torch.empty(step, k, dtype=torch.float32)              # x * inv, then |x * inv|
