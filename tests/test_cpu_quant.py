@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from kernels import cpu_quant, dispatch, reference
 
 
-def assert_same(got, want):
-    assert torch.equal(got.codes, want.codes)
-    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
-    assert torch.equal(got.global_scale.view(torch.int32), want.global_scale.view(torch.int32))
+def assert_same(got, want, what: str = ""):
+    """Two NVFP4Tensors bit for bit (codes, block scales, global scales); `what` names the case."""
+    assert torch.equal(got.codes, want.codes), f"{what}: codes differ"
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), f"{what}: block scales differ"
+    assert torch.equal(got.global_scale.view(torch.int32), want.global_scale.view(torch.int32)), f"{what}: global scales differ"
 
 
 def _f32(bits: int) -> float:

@@ -36,17 +36,6 @@ def _case(m: int, n: int, k: int, *, seed: int):
     return x.to(torch.bfloat16), w, torch.randn(n, generator=g)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (float8 compared as bytes)."""
-    bits = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def _assert_same(got, want, what: str) -> None:
-    for field in ("codes", "block_scales", "global_scale"):
-        assert _same(getattr(got, field), getattr(want, field)), f"{what}: {field} differ from the reference"
-
-
 def _activations(dtype: torch.dtype, *, seed: int) -> torch.Tensor:
     """[6, 160] rows whose amax spans 2^-40 .. 2^12: a zero row, a row under TE's 1e-12 amax floor,
     a zero block, E2M1 ties (x = 0.25, 0.75 ... of the block's scale) and random values."""
@@ -74,24 +63,25 @@ def check_quantizers(op_order: str) -> None:
     """Every Triton quantizer bit for bit against `reference` in `op_order`: per token (computed
     and given amax, fp32/bf16/fp16 input), per tensor, exact-BF16 rows, weights 1d / 2d / experts."""
     from kernels import reference, triton_quant
+    from tests.test_cpu_quant import assert_same
     for x in _order_sensitive():
         for scaling in ("per_token", "per_tensor"):
             quantize = triton_quant.quantize_per_token if scaling == "per_token" else triton_quant.quantize_per_tensor
-            _assert_same(quantize(x, op_order=op_order), reference.quantize_activations(x, scaling=scaling,
+            assert_same(quantize(x, op_order=op_order), reference.quantize_activations(x, scaling=scaling,
                          op_order=op_order), f"{scaling} {tuple(x.shape)} {op_order}")
-        _assert_same(triton_quant.quantize_weight(x, op_order=op_order),
+        assert_same(triton_quant.quantize_weight(x, op_order=op_order),
                      reference.quantize_weight(x, op_order=op_order), f"weight {tuple(x.shape)} {op_order}")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = _activations(dtype, seed=1)
         for amax in (None, x.abs().float().amax(-1) * 1.5):
             want = reference.quantize_per_token(x, row_amax=amax, op_order=op_order)
-            _assert_same(triton_quant.quantize_per_token(x, amax=amax, op_order=op_order), want,
+            assert_same(triton_quant.quantize_per_token(x, amax=amax, op_order=op_order), want,
                          f"per token {dtype} amax={amax is not None} {op_order}")
             rows = triton_quant.quantize_per_token_exact_bf16(x, amax=amax, op_order=op_order)
             assert torch.equal(rows.values.float(), reference.dequantize_unscaled(want)), f"exact bf16 {op_order}"
             assert torch.equal(rows.global_scale, want.global_scale), f"exact bf16 S_dec {op_order}"
         for amax in (None, torch.tensor(7.0)):
-            _assert_same(triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order),
+            assert_same(triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order),
                          reference.quantize_per_tensor(x, amax=amax, op_order=op_order),
                          f"per tensor {dtype} {op_order}")
     g = torch.Generator().manual_seed(2)
@@ -99,7 +89,7 @@ def check_quantizers(op_order: str) -> None:
     w = w.to(torch.bfloat16)
     for recipe in ("1d", "2d"):
         for ws, amax in ((w[0], None), (w, None), (w, torch.tensor([9.0, 2.0, 3.0]))):
-            _assert_same(triton_quant.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
+            assert_same(triton_quant.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
                          reference.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
                          f"weight {tuple(ws.shape)} {recipe} {op_order}")
 
