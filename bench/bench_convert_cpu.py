@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from converters.convert import ConvertOptions, ConvertSummary, convert, iter_buckets
-from converters.sources import StateDictSource, TENVFP4Weight
-from kernels import dispatch, reference
+from nvfp4_sampler.converters.convert import ConvertOptions, ConvertSummary, convert, iter_buckets
+from nvfp4_sampler.converters.sources import StateDictSource, TENVFP4Weight
+from nvfp4_sampler.kernels import dispatch, reference
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from kernels import reference, triton_gemm, triton_moe, triton_quant
+from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe, triton_quant
 
 L2_ROTATE_BYTES = 256 << 20
 LINEAR_SHAPES = {          # name: (N, K)

@@ -34,10 +34,10 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from converters.convert import ConvertOptions, iter_buckets  # noqa: E402
-from server import push as push_pipeline  # noqa: E402
-from server.client import SamplerClient  # noqa: E402
-from server.process import sidecar  # noqa: E402
+from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets  # noqa: E402
+from nvfp4_sampler.server import push as push_pipeline  # noqa: E402
+from nvfp4_sampler.server.client import SamplerClient  # noqa: E402
+from nvfp4_sampler.server.process import sidecar  # noqa: E402
 
 FULL_LAYERS = 48
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -80,7 +80,7 @@ def model_tensors(cfg: dict, device: str) -> dict[str, torch.Tensor]:
 
 def write_folder(state: dict[str, torch.Tensor], cfg: dict, path: Path) -> Path:
     """The served checkpoint (per-expert checkpoint names, as `save_pretrained` writes them)."""
-    from converters import name_map
+    from nvfp4_sampler.converters import name_map
     from tests.models import _tokenizer
 
     path.mkdir(parents=True)

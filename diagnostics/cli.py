@@ -63,8 +63,8 @@ def load_learner(model_dir: str | Path, scaling: str, *, recipe: str = "1d", op_
     and both quantized in `op_order` (SamplerConfig's options), unless scaling == "bf16"."""
     from transformers import AutoModelForCausalLM
 
-    from sampler_plugin.config import SamplerConfig
-    from sampler_plugin.torch_modules import quantize_model
+    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+    from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     if scaling != "bf16":

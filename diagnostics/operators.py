@@ -27,9 +27,9 @@ import dataclasses
 
 import torch
 
-from kernels import reference as R
-from kernels.format import NVFP4Tensor
-from sampler_plugin.torch_modules import NVFP4Experts, NVFP4Linear
+from nvfp4_sampler.kernels import reference as R
+from nvfp4_sampler.kernels.format import NVFP4Tensor
+from nvfp4_sampler.sampler_plugin.torch_modules import NVFP4Experts, NVFP4Linear
 
 
 @dataclasses.dataclass

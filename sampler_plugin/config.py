@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sampler_format import ACTIVATION_SCALINGS, FORMAT_VERSION, METHOD_NAME, WEIGHT_RECIPES, SamplerConfig  # noqa: F401
+from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS, FORMAT_VERSION, METHOD_NAME, WEIGHT_RECIPES, SamplerConfig  # noqa: F401
 
 class EngineConfigBasics:
     """The answers vLLM's and SGLang's QuantizationConfig both ask for, identical in both engines.

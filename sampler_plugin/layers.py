@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
-from kernels.format import BLOCK, NVFP4Tensor
-from sampler_format import TRIPLET, TRIPLET_DTYPES, triplet_shapes
+from nvfp4_sampler.kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
+from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
+from nvfp4_sampler.sampler_format import TRIPLET, TRIPLET_DTYPES, triplet_shapes
 
 from .config import SamplerConfig
 

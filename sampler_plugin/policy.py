@@ -1,7 +1,7 @@
 """Which modules nvfp4_sampler quantizes: the one rule shared by every engine adapter."""
 from __future__ import annotations
 
-from sampler_format import ALWAYS_BF16_SUFFIXES, should_quantize  # noqa: F401  (the rule lives in the contract)
+from nvfp4_sampler.sampler_format import ALWAYS_BF16_SUFFIXES, should_quantize  # noqa: F401  (the rule lives in the contract)
 
 from .config import SamplerConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from . import layers
 from .config import SamplerConfig

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from diagnostics.report import Params, mismatch_report
+from nvfp4_sampler.diagnostics.report import Params, mismatch_report
 
 from .dataplane import DataPlane
 from .engines import make_engine

@@ -136,8 +136,8 @@ def add_parsers(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default sys.argv[1:]) and run the chosen subcommand."""
-    from converters import cli as convert_cli
-    from diagnostics import cli as diagnose_cli
+    from nvfp4_sampler.converters import cli as convert_cli
+    from nvfp4_sampler.diagnostics import cli as diagnose_cli
 
     parser = argparse.ArgumentParser(prog="nvfp4-sampler", description="NVFP4 sampler tools")
     sub = parser.add_subparsers(dest="command", required=True)

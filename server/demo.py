@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from converters.smollm2 import smollm2
-from diagnostics.gaps import gap_metrics, tail_metrics
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.torch_modules import quantize_model
+from nvfp4_sampler.converters.smollm2 import smollm2
+from nvfp4_sampler.diagnostics.gaps import gap_metrics, tail_metrics
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 from .client import SamplerClient
 from .process import sidecar
@@ -85,7 +85,7 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
     import openai
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from converters.convert import ConvertOptions, convert
+    from nvfp4_sampler.converters.convert import ConvertOptions, convert
 
     work = Path(workdir or tempfile.mkdtemp(prefix="nvfp4-demo-"))
     timings: dict[str, float] = {}

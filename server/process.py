@@ -94,7 +94,7 @@ def sidecar(model: str | Path, *, engine: str, port: int | None = None, log: str
             env: dict[str, str] | None = None, extra: list[str] = (), timeout_s: float = 900.0) -> ChildServer:
     """A `nvfp4-sampler serve MODEL --engine ENGINE` child on 127.0.0.1 (not started)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--engine", engine, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "nvfp4_sampler.server.cli", "serve", str(model), "--engine", engine, "--port", str(port), *extra]
     return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s, check_pid=True)
 
 
@@ -102,5 +102,5 @@ def remote_sidecar(engine_url: str, *, port: int | None = None, log: str | Path,
                    timeout_s: float = 120.0) -> ChildServer:
     """A `nvfp4-sampler sidecar --engine-url URL` child on 127.0.0.1 (not started)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "nvfp4_sampler.server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port), *extra]
     return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=timeout_s, check_pid=True)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from converters.convert import ConvertOptions, iter_buckets, output_specs
-from converters.sources import SafetensorsFolder, StateDictSource
+from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets, output_specs
+from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource
 
 from .protocol import TensorEntry
 from .wire import WIRE_DTYPES, encode_frame

@@ -24,7 +24,7 @@ import torch
 import xxhash
 from pydantic import ValidationError
 
-from sampler_format import SCALE, SCALE_2, TRIPLET_DTYPES, WEIGHT, triplet_names, triplet_shapes
+from nvfp4_sampler.sampler_format import SCALE, SCALE_2, TRIPLET_DTYPES, WEIGHT, triplet_names, triplet_shapes
 
 from .protocol import TensorEntry
 

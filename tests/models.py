@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from converters.smollm2 import CACHE_DIR, smollm2  # noqa: F401  (re-exported for the test suites)
+from nvfp4_sampler.converters.smollm2 import CACHE_DIR, smollm2  # noqa: F401  (re-exported for the test suites)
 
 VOCAB_SIZE = 512
 # Training text of the tiny tokenizer (and handy prompts for tests).
@@ -95,8 +95,8 @@ def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config
 
     from safetensors.torch import load_file, save_file
 
-    from kernels.reference import quantize_weight
-    from sampler_format import SamplerConfig, is_nvfp4_weight
+    from nvfp4_sampler.kernels.reference import quantize_weight
+    from nvfp4_sampler.sampler_format import SamplerConfig, is_nvfp4_weight
 
     src, dst = Path(src), Path(dst)
     config = dataclasses.replace(config or SamplerConfig(), prequantized=True)

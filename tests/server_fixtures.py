@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from converters.convert import ConvertOptions, convert
-from server.client import SamplerClient
+from nvfp4_sampler.converters.convert import ConvertOptions, convert
+from nvfp4_sampler.server.client import SamplerClient
 from tests.models import tiny_qwen3
 
 TOKEN = "s3cret-token"

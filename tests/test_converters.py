@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from converters import name_map, schema
-from converters.convert import ConvertOptions, convert, iter_buckets, te_conversion_report
-from converters.sources import SafetensorsFolder, StateDictSource, TENVFP4Weight
-from kernels import reference
-from kernels.format import NVFP4Tensor
-from sampler_format import SamplerConfig
+from nvfp4_sampler.converters import name_map, schema
+from nvfp4_sampler.converters.convert import ConvertOptions, convert, iter_buckets, te_conversion_report
+from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource, TENVFP4Weight
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.kernels.format import NVFP4Tensor
+from nvfp4_sampler.sampler_format import SamplerConfig
 from tests.models import tiny_qwen3, tiny_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,7 +449,7 @@ def test_te_scale_inv_of_wrong_padding_is_refused():
 def test_cli_convert_prints_summary(tmp_path):
     src = _sharded(tmp_path, _weights())
     (src / "tokenizer.json").write_text("{}")
-    run = subprocess.run([sys.executable, "-m", "server.cli", "convert", str(src), str(tmp_path / "out"),
+    run = subprocess.run([sys.executable, "-m", "nvfp4_sampler.server.cli", "convert", str(src), str(tmp_path / "out"),
                           "--recipe", "2d", "--op-order", "te", "--shared-group-scale",
                           "--keep-bf16", "model.layers.0.mlp.down_proj"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -467,7 +467,7 @@ def test_cli_convert_prints_summary(tmp_path):
 
 
 def test_cli_error_is_clear_and_nonzero(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "server.cli", "convert", str(tmp_path / "nope"), str(tmp_path / "out")],
+    run = subprocess.run([sys.executable, "-m", "nvfp4_sampler.server.cli", "convert", str(tmp_path / "nope"), str(tmp_path / "out")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1] == f"nvfp4-sampler convert: error: {tmp_path / 'nope'}: no config.json"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from converters import schema
+from nvfp4_sampler.converters import schema
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -35,7 +35,7 @@ PROBE = r"""
 import json, sys, threading, time
 import torch
 torch.set_num_threads(2)
-from converters.convert import ConvertOptions, convert
+from nvfp4_sampler.converters.convert import ConvertOptions, convert
 def rss_anon():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.convert import ConvertOptions, convert
+from nvfp4_sampler.converters.convert import ConvertOptions, convert
 from tests import models
 from tests.vllm_helpers import greedy, make_llm, prompt_logprobs, shutdown, token_ids
 

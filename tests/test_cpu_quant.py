@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_quant, dispatch, reference
+from nvfp4_sampler.kernels import cpu_quant, dispatch, reference
 
 
 def assert_same(got, want, what: str = ""):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from diagnostics import gaps, weights
+from nvfp4_sampler.diagnostics import gaps, weights
 
 
 def test_identical_log_probs_have_no_gap():

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from diagnostics import operators as ops
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.torch_modules import quantize_model
+from nvfp4_sampler.diagnostics import operators as ops
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 
 def _quantized(seed=0, t=6, k=64):
@@ -105,7 +105,7 @@ def test_decode_vs_teacher_forced_per_token_vs_per_tensor(moe_models):
 
 
 def test_weight_recipe_mismatch_is_reported():
-    from kernels import reference as R
+    from nvfp4_sampler.kernels import reference as R
 
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     same = ops.compare_weights(R.quantize_weight(w), R.quantize_weight(w))
@@ -117,8 +117,8 @@ def test_weight_recipe_mismatch_is_reported():
 def test_diagnose_learner_takes_the_recipe(tmp_path):
     """`diagnose --recipe 2d --op-order te`: the learner-side recompute holds TE-quantized weights and
     its operator capture quantizes activations in TE's order (what a TE-recipe sampler runs)."""
-    from diagnostics.cli import load_learner
-    from kernels import reference
+    from nvfp4_sampler.diagnostics.cli import load_learner
+    from nvfp4_sampler.kernels import reference
     from tests import models
 
     path = models.tiny_qwen3(tmp_path / "m", seed=3)

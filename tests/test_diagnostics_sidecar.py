@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
-from diagnostics.report import mismatch_report
-from server.cli import main
-from server.client import SamplerClient
-from server.process import sidecar
+from nvfp4_sampler.diagnostics.report import mismatch_report
+from nvfp4_sampler.server.cli import main
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server.process import sidecar
 from tests.models import tiny_qwen3
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -84,7 +84,7 @@ def test_vllm_decode_equals_its_own_teacher_forced_logprobs(srv, model_dir, requ
         pytest.skip("vLLM engine property")
     from transformers import AutoTokenizer
 
-    from diagnostics.cli import PROMPTS, sample
+    from nvfp4_sampler.diagnostics.cli import PROMPTS, sample
     samples = sample(srv.url, AutoTokenizer.from_pretrained(model_dir), PROMPTS[:2], max_tokens=24, seed=0)
     with SamplerClient(srv.url) as c:
         tf = c.logprobs([p + r for p, r, _ in samples], [len(p) for p, _, _ in samples]).results

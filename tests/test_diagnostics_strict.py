@@ -4,11 +4,11 @@ import copy
 
 import torch
 
-from diagnostics import operators as ops
-from diagnostics.strict import strict
-from kernels import reference as R
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.torch_modules import quantize_model
+from nvfp4_sampler.diagnostics import operators as ops
+from nvfp4_sampler.diagnostics.strict import strict
+from nvfp4_sampler.kernels import reference as R
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 
 def test_fp64_accumulation_is_batch_invariant_and_close_to_fp32():

@@ -3,8 +3,8 @@ the 128x4 swizzled scale layout (docs/FORMAT.md sections 1, 2 and 6)."""
 import pytest
 import torch
 
-from kernels import reference as R
-from kernels.format import NVFP4Tensor
+from nvfp4_sampler.kernels import reference as R
+from nvfp4_sampler.kernels.format import NVFP4Tensor
 
 # code -> value, bit 3 the sign (docs/FORMAT.md table)
 E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -148,7 +148,7 @@ def test_swizzle_inverse_equals_vllm_convert_swizzled_to_linear(m, k):
 def test_format_contract_and_kernels_name_the_same_op_orders():
     """sampler_format is torch-free and kernels imports nothing of ours, so each spells the op
     orders out; they must agree (a config the plugin accepts is one the kernels run)."""
-    import sampler_format
-    from kernels import reference
+    from nvfp4_sampler import sampler_format
+    from nvfp4_sampler.kernels import reference
 
     assert sampler_format.OP_ORDERS == reference.OP_ORDERS

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch, reference
-from kernels.format import NVFP4Tensor
+from nvfp4_sampler.kernels import dispatch, reference
+from nvfp4_sampler.kernels.format import NVFP4Tensor
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ K_SIZES = (16, 48, 2048, 4112, 7168)
 @pytest.fixture(scope="module")
 def tk():
     """The Triton modules (imported only on a GPU machine)."""
-    from kernels import triton_gemm, triton_moe, triton_quant
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe, triton_quant
     return triton_quant, triton_gemm, triton_moe
 
 

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from server.client import SamplerClient
-from server.process import sidecar
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server.process import sidecar
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
 TRAINER = """
 import json, pathlib, sys, time, torch
 from safetensors.torch import load_file
-from server.client import SamplerClient
-from server import ipc
-from server.wire import iter_entries
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server import ipc
+from nvfp4_sampler.server.wire import iter_entries
 url, token, folder = sys.argv[1:4]
 tensors = {k: v.cuda() for f in sorted(pathlib.Path(folder).glob("*.safetensors")) for k, v in load_file(f).items()}
 entries = list(iter_entries(tensors))

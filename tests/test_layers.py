@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from sampler_plugin import layers
-from sampler_plugin.config import SamplerConfig
-from sampler_plugin.torch_modules import NVFP4Linear, quantize_model
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_plugin.torch_modules import NVFP4Linear, quantize_model
 
 CFG = SamplerConfig()
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernels import dispatch, reference
-from kernels.format import NVFP4Tensor
-from sampler_plugin import layers
-from sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.kernels import dispatch, reference
+from nvfp4_sampler.kernels.format import NVFP4Tensor
+from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
 
 OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -88,7 +88,7 @@ def test_moe_op_equals_reference():
 def _te_sensitive_x() -> torch.Tensor:
     """bf16 rows whose codes differ between the two op orders (searched over seeds: S_enc's one or
     two roundings and the block-scale product order differ at E4M3 and E2M1 ties)."""
-    from kernels import reference as R
+    from nvfp4_sampler.kernels import reference as R
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         x = (torch.randn(4, 64, generator=g) * torch.exp2(torch.randint(-6, 6, (4, 1), generator=g).float()))
@@ -293,7 +293,7 @@ def test_cuda_auto_choice_and_tp_amax_support():
 def test_vllm_adapter_fails_at_create_weights_naming_the_layer():
     """The real vLLM linear method refuses a layer no backend serves when its weights are created."""
     pytest.importorskip("vllm")
-    from sampler_plugin.vllm.linear import NVFP4LinearMethod
+    from nvfp4_sampler.sampler_plugin.vllm.linear import NVFP4LinearMethod
 
     method = NVFP4LinearMethod(SamplerConfig(backend="triton_hopper"), "model.layers.0.mlp.gate_up_proj",
                                ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], lambda w: None)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from server.client import SamplerClient
-from server.process import sidecar
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server.process import sidecar
 from tests.models import tiny_qwen3
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN
 
@@ -40,7 +40,7 @@ def test_cli_push_bf16_prints_the_result_and_exits_0(server, models):
     """Issue 14 defect: `push DIR --layout bf16` committed, then exited 1 (PushResult has no model_dump_json)."""
     with SamplerClient(server.url) as c:
         before = c.version().weight_version
-    r = subprocess.run([sys.executable, "-m", "server.cli", "push", str(models["big"]), "--layout", "bf16",
+    r = subprocess.run([sys.executable, "-m", "nvfp4_sampler.server.cli", "push", str(models["big"]), "--layout", "bf16",
                         "--url", server.url, "--token", TOKEN], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -54,7 +54,7 @@ _MEASURED_PUSH = """
 import json, re, sys, torch
 from pathlib import Path
 from safetensors.torch import load_file
-from server.client import SamplerClient
+from nvfp4_sampler.server.client import SamplerClient
 
 folder, url, token, bucket = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 def status(key):
@@ -97,7 +97,7 @@ def test_gpu_state_dict_converts_on_its_device_into_pinned_buckets(layout):
     host buffers; the host buckets equal the CPU conversion of the same tensors byte for byte."""
     import torch
 
-    from server import push
+    from nvfp4_sampler.server import push
     from tests.test_converters import CONFIG
 
     moe = {**CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
@@ -132,8 +132,8 @@ def test_push_pipeline_converts_with_the_learner_recipe():
     options: TE's op order and one shared scale for q/k/v and for gate/up."""
     import torch
 
-    from converters.convert import ConvertOptions, StateDictSource, iter_buckets
-    from server import push
+    from nvfp4_sampler.converters.convert import ConvertOptions, StateDictSource, iter_buckets
+    from nvfp4_sampler.server import push
     from tests.test_converters import CONFIG, _weights
 
     weights = _weights(seed=6)

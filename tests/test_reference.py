@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-import kernels
-from kernels import reference as R
-from kernels.format import NVFP4Tensor
+from nvfp4_sampler import kernels
+from nvfp4_sampler.kernels import reference as R
+from nvfp4_sampler.kernels.format import NVFP4Tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FLT_MAX = torch.finfo(torch.float32).max

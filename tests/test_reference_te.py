@@ -21,7 +21,7 @@ every scale, every global scale).
 import pytest
 import torch
 
-from kernels import reference as R
+from nvfp4_sampler.kernels import reference as R
 
 FLT_MAX = torch.finfo(torch.float32).max
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

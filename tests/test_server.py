@@ -15,11 +15,11 @@ import openai
 import pytest
 import torch
 
-from server.client import SamplerClient, SidecarError
-from server.process import sidecar
-from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
-from server.settings import Settings
-from server.wire import encode_frame, iter_entries
+from nvfp4_sampler.server.client import SamplerClient, SidecarError
+from nvfp4_sampler.server.process import sidecar
+from nvfp4_sampler.server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
+from nvfp4_sampler.server.settings import Settings
+from nvfp4_sampler.server.wire import encode_frame, iter_entries
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, reads_during_pushes, tensors
 
 pytestmark = pytest.mark.timeout(600)
@@ -122,7 +122,7 @@ def test_bind_rules(models):
         Settings(model=str(models["a"]), engine="embedded", host="0.0.0.0")
     assert Settings(model=str(models["a"]), engine="embedded", host="0.0.0.0", token="t").host == "0.0.0.0"
     assert Settings(model=str(models["a"]), engine="embedded", host="::1").token is None
-    p = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(models["a"]), "--engine", "embedded",
+    p = subprocess.run([sys.executable, "-m", "nvfp4_sampler.server.cli", "serve", str(models["a"]), "--engine", "embedded",
                         "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "a non-loopback bind needs a token" in p.stderr
 

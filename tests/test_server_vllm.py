@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from server.client import SamplerClient, SidecarError
-from server.engines.vllm import vllm_server
-from server.process import ChildServer, free_port, remote_sidecar, sidecar
-from server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
-from server.wire import encode_frame, iter_entries
+from nvfp4_sampler.server.client import SamplerClient, SidecarError
+from nvfp4_sampler.server.engines.vllm import vllm_server
+from nvfp4_sampler.server.process import ChildServer, free_port, remote_sidecar, sidecar
+from nvfp4_sampler.server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
+from nvfp4_sampler.server.wire import encode_frame, iter_entries
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN, build_models, lp, reads_during_pushes, tensors
 
 pytest.importorskip("vllm")

@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("sglang")
 
 import tests.sglang_helpers  # noqa: E402,F401  (torchvision stub on sys.path before SGLang's layers)
-from kernels import reference  # noqa: E402
-from sampler_plugin import sglang as adapter  # noqa: E402
-from sampler_plugin.config import SamplerConfig  # noqa: E402
-from sampler_plugin.policy import fused_shard_names  # noqa: E402
+from nvfp4_sampler.kernels import reference  # noqa: E402
+from nvfp4_sampler.sampler_plugin import sglang as adapter  # noqa: E402
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig  # noqa: E402
+from nvfp4_sampler.sampler_plugin.policy import fused_shard_names  # noqa: E402
 
 PREFIX = "model.layers.0.self_attn.o_proj"
 
@@ -23,7 +23,7 @@ PREFIX = "model.layers.0.self_attn.o_proj"
 def config_cls():
     adapter.register()
     adapter.register()                       # idempotent: SGLang may call it again in the same process
-    from sampler_plugin.sglang.config import NVFP4SamplerConfig
+    from nvfp4_sampler.sampler_plugin.sglang.config import NVFP4SamplerConfig
 
     return NVFP4SamplerConfig
 
@@ -56,7 +56,7 @@ def test_method_choice_follows_policy(config_cls):
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    from sampler_plugin.sglang.linear import NVFP4LinearMethod
+    from nvfp4_sampler.sampler_plugin.sglang.linear import NVFP4LinearMethod
 
     cfg = config_cls(SamplerConfig(keep_bf16=("model.layers.1.mlp.up_proj",)))
     layer = LinearBase(16, 16)
@@ -177,7 +177,7 @@ def bad_updates() -> dict[str, tuple[list, str]]:
 
 @pytest.mark.parametrize("case", sorted(bad_updates()))
 def test_bad_update_refused_whole_naming_the_tensor(tiny, case):
-    from sampler_plugin.sglang.updates import UpdateRejected, checked_loads
+    from nvfp4_sampler.sampler_plugin.sglang.updates import UpdateRejected, checked_loads
 
     weights, message = bad_updates()[case]
     before = snapshot(tiny)
@@ -189,7 +189,7 @@ def test_bad_update_refused_whole_naming_the_tensor(tiny, case):
 
 
 def test_checked_update_writes_when_whole_update_is_good(tiny):
-    from sampler_plugin.sglang.updates import checked_loads
+    from nvfp4_sampler.sampler_plugin.sglang.updates import checked_loads
 
     w1 = torch.randn(48, 64)
     q = reference.quantize_weight(w1)
@@ -204,7 +204,7 @@ def test_checked_update_writes_when_whole_update_is_good(tiny):
 def test_register_adds_update_hooks(config_cls):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sampler_plugin.sglang.updates import atomic_update
+    from nvfp4_sampler.sampler_plugin.sglang.updates import atomic_update
 
     updater = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
     for method in ("update_weights_from_tensor", "update_weights_from_disk", "load_weights_from_distributed"):

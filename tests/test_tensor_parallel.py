@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels import reference
-from kernels import NVFP4Tensor
-from sampler_plugin import layers
-from sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.kernels import NVFP4Tensor
+from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
 
 WORLD, M, K, N = 2, 37, 256, 48
 

@@ -21,13 +21,13 @@ pytest.importorskip("triton")
 
 def _bound(a, w, want, bias):
     """FP32 reordering bound: K * 2^-23 * (|a| @ |w|^T) plus one rounding of the bias addition."""
-    from kernels import reference
+    from nvfp4_sampler.kernels import reference
     mag = reference.dequantize(a).abs() @ reference.dequantize(w).abs().T
     return a.shape[1] * 2.0 ** -23 * mag + 2.0 ** -22 * (want.abs() + bias.abs()) + 1e-37
 
 
 def _case(m: int, n: int, k: int, *, seed: int):
-    from kernels import reference
+    from nvfp4_sampler.kernels import reference
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-8, 8, (m, 1), generator=g).float())
     x[:, :16] = 0.0                                                   # a zero block
@@ -62,7 +62,7 @@ def _order_sensitive() -> list[torch.Tensor]:
 def check_quantizers(op_order: str) -> None:
     """Every Triton quantizer bit for bit against `reference` in `op_order`: per token (computed
     and given amax, fp32/bf16/fp16 input), per tensor, exact-BF16 rows, weights 1d / 2d / experts."""
-    from kernels import reference, triton_quant
+    from nvfp4_sampler.kernels import reference, triton_quant
     from tests.test_cpu_quant import assert_same
     for x in _order_sensitive():
         for scaling in ("per_token", "per_tensor"):
@@ -97,7 +97,7 @@ def check_quantizers(op_order: str) -> None:
 def check_gemv(op_order: str) -> None:
     """Decode kernel with the activation quantized in its launch (in `op_order`): per token / per
     tensor, with and without an amax override, split-K 1 and 4, deterministic run to run."""
-    from kernels import reference, triton_gemm
+    from nvfp4_sampler.kernels import reference, triton_gemm
     for m, n, k, split_k, scaling, amax_mul in [(1, 64, 256, 1, "per_token", None), (3, 100, 512, 4, "per_token", None),
                                                  (3, 100, 512, 2, "per_tensor", None), (2, 70, 1024, 4, "per_token", 2.5),
                                                  (4, 64, 48, 1, "per_tensor", 3.0)]:
@@ -122,7 +122,7 @@ def check_gemv(op_order: str) -> None:
 
 def check_packed_split_k() -> None:
     """Tensor-core kernel's split-K planes, added in a fixed order by the tile's last program."""
-    from kernels import reference, triton_gemm
+    from nvfp4_sampler.kernels import reference, triton_gemm
     m, n, k = 5, 96, 512
     x, w, bias = _case(m, n, k, seed=7)
     a = reference.quantize_per_token(x)
@@ -141,7 +141,7 @@ def check_moe_pairs(op_order: str) -> None:
     """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
     split-K 1 and 2, tokens quantized in `op_order`: the SwiGLU rows within one BF16 ulp of the
     spec's, the layer within the re-quantization error of `reference.moe`, bitwise deterministic."""
-    from kernels import reference, triton_gemm, triton_moe
+    from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, top_k, tokens = 6, 256, 64, 4, 2
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)

@@ -96,7 +96,7 @@ def _reference_with(ckpts, ids, expert_up: torch.Tensor | None = None, router: t
     """Torch reference of seed 0 with one expert's up_proj and/or layer 1's router replaced."""
     from transformers import AutoModelForCausalLM
 
-    from sampler_plugin.torch_modules import quantize_model
+    from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     m = AutoModelForCausalLM.from_pretrained(str(ckpts["bf16_0"]), dtype=torch.float32)
     mlp = m.model.layers[1].mlp
@@ -119,7 +119,7 @@ def test_single_expert_shard_reload(online, ckpts, ids, base, payload):
     if payload == "bf16":
         tensors = {f"{EXPERT}.up_proj.weight": new_up}
     else:
-        from kernels.reference import quantize_weight
+        from nvfp4_sampler.kernels.reference import quantize_weight
         q = quantize_weight(new_up)
         tensors = {f"{EXPERT}.up_proj.weight": q.codes, f"{EXPERT}.up_proj.weight_scale": q.block_scales,
                    f"{EXPERT}.up_proj.weight_scale_2": q.global_scale}

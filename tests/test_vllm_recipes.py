@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kernels import reference
-from sampler_format import SamplerConfig, is_nvfp4_weight
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.sampler_format import SamplerConfig, is_nvfp4_weight
 from tests import models
 from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
                                 reference_model, shutdown, token_ids)

@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
-from server.protocol import (LogprobsResponse, SequenceLogprobs, TensorEntry, decode_logprobs_binary,
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.server.protocol import (LogprobsResponse, SequenceLogprobs, TensorEntry, decode_logprobs_binary,
                              encode_logprobs_binary)
-from server.wire import MAGIC, PREFIX, FrameParser, WireError, encode, iter_entries, parse
+from nvfp4_sampler.server.wire import MAGIC, PREFIX, FrameParser, WireError, encode, iter_entries, parse
 
 
 def _state(seed: int, n_dense: int, n_q: int) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")        # GiB of KV cache per CPU engine
 
-EXTENSION = "sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
+EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 PROMPTS = ["The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
            "def add(a, b):\n    return a + b\n",
            "Reinforcement learning trains a policy on samples drawn from the policy itself."]
@@ -58,7 +58,7 @@ def reference_model(model, *, dtype=torch.float32, state: dict[str, torch.Tensor
     quantize_model under `config` (a SamplerConfig; default options when None)."""
     from transformers import AutoModelForCausalLM
 
-    from sampler_plugin.torch_modules import quantize_model
+    from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
     if state:

@@ -13,7 +13,7 @@ import torch
 from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 from ..config import SamplerConfig

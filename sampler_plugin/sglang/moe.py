@@ -13,7 +13,7 @@ import torch
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 from ..config import SamplerConfig

@@ -12,7 +12,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 

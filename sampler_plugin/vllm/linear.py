@@ -16,7 +16,7 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearMethodBase, QKVParallelLinear,
                                                RowParallelLinear)
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 from ..config import SamplerConfig

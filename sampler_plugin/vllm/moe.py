@@ -14,7 +14,7 @@ import types
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-from kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor
 
 from .. import layers
 from ..config import SamplerConfig

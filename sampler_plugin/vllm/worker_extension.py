@@ -1,7 +1,7 @@
 """In-place weight reload for a running vLLM engine (`--worker-extension-cls`).
 
   LLM(model, quantization="nvfp4_sampler",
-      worker_extension_cls="sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension")
+      worker_extension_cls="nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension")
   llm.collective_rpc("nvfp4_apply_update", args=(staged_path, version))
   llm.reset_prefix_cache()        # cached KV blocks were computed with the old weights
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from sampler_format import BLOCK, SCALE, SCALE_2, WEIGHT, SamplerConfig, is_nvfp4_weight
+from nvfp4_sampler.sampler_format import BLOCK, SCALE, SCALE_2, WEIGHT, SamplerConfig, is_nvfp4_weight
 
 from ..protocol import DENSE_DTYPES, LogprobsRequest, SequenceLogprobs, TensorEntry
 

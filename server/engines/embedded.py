@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kernels import NVFP4Tensor
-from sampler_plugin import layers
-from sampler_plugin.torch_modules import quantize_model
+from nvfp4_sampler.kernels import NVFP4Tensor
+from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from .base import Engine, EngineError, checkpoint_specs, sampler_config

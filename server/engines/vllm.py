@@ -27,7 +27,7 @@ from ..protocol import LogprobsRequest, SequenceLogprobs
 from ..settings import Settings
 from .base import Engine, EngineError, checkpoint_specs
 
-EXTENSION = "sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
+EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 
 
 def vllm_server(model: str | Path, *, port: int, log: str | Path, extra: tuple[str, ...] | list[str] = (),

@@ -59,9 +59,9 @@ def trainer_tensors(path: str, *, nvfp4: bool, prefix: str = "") -> tuple[dict, 
     import torch
     from safetensors.torch import load_file
 
-    from kernels import dispatch
-    from sampler_plugin.config import SamplerConfig
-    from sampler_plugin.policy import should_quantize
+    from nvfp4_sampler.kernels import dispatch
+    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+    from nvfp4_sampler.sampler_plugin.policy import should_quantize
 
     config, out, quantized = SamplerConfig(), {}, 0
     for name, t in load_file(Path(path) / "model.safetensors", device="cuda").items():

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
 
-EXTENSION = "sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
+EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 CAPTURE_SIZES = [1, 2, 4, 8]
 MODES = {
     "eager": dict(enforce_eager=True),
