@@ -31,13 +31,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets  # noqa: E402
-from nvfp4_sampler.server import push as push_pipeline  # noqa: E402
-from nvfp4_sampler.server.client import SamplerClient  # noqa: E402
-from nvfp4_sampler.server.process import sidecar  # noqa: E402
+from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets
+from nvfp4_sampler.server import push as push_pipeline
+from nvfp4_sampler.server.client import SamplerClient
+from nvfp4_sampler.server.process import sidecar
 
 FULL_LAYERS = 48
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -81,14 +78,14 @@ def model_tensors(cfg: dict, device: str) -> dict[str, torch.Tensor]:
 def write_folder(state: dict[str, torch.Tensor], cfg: dict, path: Path) -> Path:
     """The served checkpoint (per-expert checkpoint names, as `save_pretrained` writes them)."""
     from nvfp4_sampler.converters import name_map
-    from tests.models import _tokenizer
+    from nvfp4_sampler.testing.models import tokenizer
 
     path.mkdir(parents=True)
     tensors = {m.name: (t if m.index is None else t[m.index]).cpu().contiguous()
                for n, t in state.items() for m in name_map.expand(n, tuple(t.shape))}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    _tokenizer(path)
+    tokenizer(path)
     return path
 
 

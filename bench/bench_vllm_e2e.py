@@ -1,6 +1,6 @@
 """End-to-end decode throughput in real CUDA vLLM: nvfp4_sampler vs BF16, same compilation mode (H200).
 
-For each model shape (random BF16 checkpoints built on the GPU, `tests/gpu_scripts/checkpoints.py`) two
+For each model shape (random BF16 checkpoints built on the GPU, `testing/checkpoints.py`) two
 engines, one per process: BF16 and `quantization="nvfp4_sampler"` (online quantization of the same
 checkpoint). Each measures, per batch size B, decode tokens/s = B * (N - 1) / (t(N) - t(1)) where t(n)
 is the wall time of `generate` for B prompts of PROMPT_LEN tokens and n new tokens (greedy, ignore_eos):
@@ -10,7 +10,8 @@ layers weigh the common lm_head more than the full model would (the ratio is the
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--out FILE.json]
 
-(on the H200 after `bash .gpu-vllm/install.sh`; results JSON under $OUT by default, ratio table printed)
+(on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
+under $OUT by default, ratio table printed)
 """
 from __future__ import annotations
 
@@ -63,17 +64,16 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
-    ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of tests/gpu_scripts/checkpoints.py)")
+    ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of testing/checkpoints.py)")
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
-    sys.path.insert(0, str(ROOT))
     import torch
 
-    from tests.gpu_scripts.checkpoints import build
+    from nvfp4_sampler.testing.checkpoints import build
 
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}

@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(root: Path, *, hidden: int, inter: int, layers: int) -> Path:
-    """A random BF16 Qwen3 folder (tests.models.tiny_qwen3 with these sizes, heads of 64)."""
-    code = (f"from tests.models import tiny_qwen3; print(tiny_qwen3({str(root / 'model')!r}, hidden_size={hidden}, "
+    """A random BF16 Qwen3 folder (nvfp4_sampler.testing.models.tiny_qwen3 with these sizes, heads of 64)."""
+    code = (f"from nvfp4_sampler.testing.models import tiny_qwen3; print(tiny_qwen3({str(root / 'model')!r}, hidden_size={hidden}, "
             f"intermediate_size={inter}, num_hidden_layers={layers}, num_attention_heads={hidden // 64}, "
             f"num_key_value_heads={max(1, hidden // 256)}, head_dim=64))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)

@@ -30,9 +30,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 PAIRS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up_proj": ("gate_proj", "up_proj"),
          "down_proj": ("down_proj",)}
 
@@ -41,7 +38,7 @@ def build_model(path: Path, *, seed: int = 0) -> Path:
     """A random Llama with SmolLM2-135M's shapes and the tiny test tokenizer (token ids are sent directly)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.models import _tokenizer
+    from nvfp4_sampler.testing.models import tokenizer
 
     if (path / "config.json").exists():
         return path
@@ -51,7 +48,7 @@ def build_model(path: Path, *, seed: int = 0) -> Path:
                       tie_word_embeddings=True, rope_theta=100000.0, initializer_range=0.04, bos_token_id=0,
                       eos_token_id=0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    _tokenizer(path)
+    tokenizer(path)
     return path
 
 

@@ -28,14 +28,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from nvfp4_sampler.diagnostics import gaps, operators as ops                    # noqa: E402
-from nvfp4_sampler.diagnostics.strict import strict                              # noqa: E402
-from nvfp4_sampler.kernels import reference as R                                 # noqa: E402
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig                    # noqa: E402
-from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model            # noqa: E402
+from nvfp4_sampler.diagnostics import gaps, operators as ops
+from nvfp4_sampler.diagnostics.strict import strict
+from nvfp4_sampler.kernels import reference as R
+from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 
 def hamlet(cache: Path) -> str:
@@ -236,7 +233,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.models import CACHE_DIR, smollm2, tiny_qwen3_moe
+    from nvfp4_sampler.testing.models import CACHE_DIR, smollm2, tiny_qwen3_moe
 
     result = {"config": vars(a)}
     # ---------------------------------------------------------------- SmolLM2-135M, real text

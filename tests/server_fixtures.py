@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from nvfp4_sampler.converters.convert import ConvertOptions, convert
 from nvfp4_sampler.server.client import SamplerClient
-from tests.models import tiny_qwen3
+from nvfp4_sampler.testing.models import tiny_qwen3
 
 TOKEN = "s3cret-token"
 SEQS = [[5, 17, 99, 3, 250, 41, 7, 8], [300, 12, 12, 64, 1]]

@@ -17,7 +17,7 @@ from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource,
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.kernels.format import NVFP4Tensor
 from nvfp4_sampler.sampler_format import SamplerConfig
-from tests.models import tiny_qwen3, tiny_qwen3_moe
+from nvfp4_sampler.testing.models import tiny_qwen3, tiny_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

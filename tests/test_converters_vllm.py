@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nvfp4_sampler.converters.convert import ConvertOptions, convert
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import greedy, make_llm, prompt_logprobs, shutdown, token_ids
 
 pytestmark = pytest.mark.engine

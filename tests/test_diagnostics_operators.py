@@ -119,7 +119,7 @@ def test_diagnose_learner_takes_the_recipe(tmp_path):
     its operator capture quantizes activations in TE's order (what a TE-recipe sampler runs)."""
     from nvfp4_sampler.diagnostics.cli import load_learner
     from nvfp4_sampler.kernels import reference
-    from tests import models
+    from nvfp4_sampler.testing import models
 
     path = models.tiny_qwen3(tmp_path / "m", seed=3)
     learner = load_learner(path, "per_token", recipe="2d", op_order="te")

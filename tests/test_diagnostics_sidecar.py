@@ -15,7 +15,7 @@ from nvfp4_sampler.diagnostics.report import mismatch_report
 from nvfp4_sampler.server.cli import main
 from nvfp4_sampler.server.client import SamplerClient
 from nvfp4_sampler.server.process import sidecar
-from tests.models import tiny_qwen3
+from nvfp4_sampler.testing.models import tiny_qwen3
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 ENGINES = ["embedded", pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -3,7 +3,7 @@
 Skipped without CUDA or without vllm. Each engine runs in its own process
 (`tests/gpu_scripts/vllm_engine.py`, JSON results; up to PARALLEL at once on the one GPU, each with a
 fixed 1 GiB KV cache). Random Qwen3-shaped BF16 checkpoints are built on the device
-(`tests/gpu_scripts/checkpoints.py`): "dense-small" (Qwen3, hidden 1024, 4 layers) and "moe-small"
+(`testing/checkpoints.py`): "dense-small" (Qwen3, hidden 1024, 4 layers) and "moe-small"
 (Qwen3-MoE, 16 experts top-4, 2 layers), seeds 0 and 1; online quantization at load.
 
 Engines: for each kind and each mode (eager | graphs = CUDA graphs without torch.compile |
@@ -52,7 +52,7 @@ MODE_MEAN_BOUND = 0.25  # mean |dlogp| compiled vs eager, prompt log-probs (meas
 def ckpts(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tests.gpu_scripts.checkpoints import build
+    from nvfp4_sampler.testing.checkpoints import build
 
     d = tmp_path_factory.mktemp("gpu_vllm")
     return {(kind, seed): build(d / f"{kind}_{seed}", shape, seed=seed, layers=layers)

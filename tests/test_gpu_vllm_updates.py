@@ -2,7 +2,7 @@
 
 Skipped without CUDA or vllm. One engine per process (`tests/gpu_scripts/updates_ipc.py`, JSON results),
 up to four at once on the one GPU. Random Qwen3-shaped BF16 checkpoints built on the device
-(`tests/gpu_scripts/checkpoints.py`): "dense-small" (4 layers) and "moe-small" (2 layers), seeds 0, 1;
+(`testing/checkpoints.py`): "dense-small" (4 layers) and "moe-small" (2 layers), seeds 0, 1;
 online quantization. Per kind: an engine on seed 0 that a trainer process on the same GPU updates
 through vLLM's `ipc` backend (BF16, then NVFP4 triplets: 0.28x the bytes) and that reloads through
 collective_rpc("reload_weights"), all after CUDA-graph capture; and a fresh engine on seed 1. Asserted:
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     """(kind, "updated" | "fresh") -> the engine's JSON results."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tests.gpu_scripts.checkpoints import build
+    from nvfp4_sampler.testing.checkpoints import build
 
     d = tmp_path_factory.mktemp("gpu_updates")
     jobs = {}

@@ -13,7 +13,7 @@ import pytest
 
 from nvfp4_sampler.server.client import SamplerClient
 from nvfp4_sampler.server.process import sidecar
-from tests.models import tiny_qwen3
+from nvfp4_sampler.testing.models import tiny_qwen3
 from tests.server_fixtures import PROMPT_LENS, SEQS, TOKEN
 
 pytestmark = pytest.mark.timeout(600)

@@ -27,7 +27,7 @@ pytest.importorskip("sglang")
 from safetensors.torch import save_file  # noqa: E402
 
 from nvfp4_sampler.converters.convert import convert  # noqa: E402
-from tests import models  # noqa: E402
+from nvfp4_sampler.testing import models  # noqa: E402
 from tests.sglang_helpers import bad_updates, bucket_payloads, make_engine, prompt_logprobs  # noqa: E402
 from tests.sglang_helpers import save_checkpoint, update  # noqa: E402
 from tests.sglang_helpers import checkpoint_tensors as tensors  # noqa: E402

@@ -16,7 +16,7 @@ import httpx  # noqa: E402
 
 from nvfp4_sampler.converters.convert import convert  # noqa: E402
 from nvfp4_sampler.server.process import ChildServer, free_port  # noqa: E402
-from tests import models  # noqa: E402
+from nvfp4_sampler.testing import models  # noqa: E402
 from tests.sglang_helpers import GREEDY_ONE, bad_updates, bucket_payloads, inline_payload  # noqa: E402
 from tests.sglang_helpers import logprobs_from_outputs  # noqa: E402
 from tests.sglang_helpers import checkpoint_tensors as tensors  # noqa: E402

@@ -41,7 +41,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (EXTENSION, greedy, prompt_logprobs, reference_greedy, reference_logprobs,
                                 reference_model, shutdown, token_ids)
 

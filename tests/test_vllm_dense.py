@@ -3,7 +3,7 @@
 Two real CPU engines per module, in float32 so that the comparison with the pure-torch forward is
 not lost in BF16 rounding (a W4A4 model flips activation codes on one-ulp differences):
   online   -- BF16 checkpoint of seed 0, quantized at load
-  prequant -- pre-quantized checkpoint (tests.models.write_prequantized) of seed 1
+  prequant -- pre-quantized checkpoint (nvfp4_sampler.testing.models.write_prequantized) of seed 1
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_dense.py
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
                                 reference_model, shutdown, token_ids)
 

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 
 pytestmark = pytest.mark.engine
 

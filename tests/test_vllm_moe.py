@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
                                 reference_model, shutdown, token_ids)
 

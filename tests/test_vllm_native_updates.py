@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import make_llm, prompt_logprobs, shutdown, token_ids
 
 pytestmark = pytest.mark.engine

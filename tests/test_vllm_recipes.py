@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.sampler_format import SamplerConfig, is_nvfp4_weight
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
                                 reference_model, shutdown, token_ids)
 

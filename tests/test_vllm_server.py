@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import models
+from nvfp4_sampler.testing import models
 from tests.vllm_helpers import EXTENSION, reference_logprobs, reference_model
 
 pytestmark = pytest.mark.engine

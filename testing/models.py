@@ -1,16 +1,17 @@
-"""Model builders shared by the test suites (plugins, converter, server).
+"""Tiny model builders shared by the test suites and benchmarks (plugins, converter, server).
 
   tiny_qwen3(path)      random 2-layer Qwen3 (dense), BF16, byte-level BPE tokenizer (vocab 512)
   tiny_qwen3_moe(path)  random 2-layer Qwen3-MoE (8 experts, top-2), same tokenizer
   smollm2()             the real SmolLM2-135M-Instruct (converters/smollm2.py, shared with the demo)
   write_prequantized(src, dst)  a sampler (pre-quantized) checkpoint of a BF16 folder, quantized
                         tensor by tensor with kernels.reference (an independent path from the plugins)
+  tokenizer(path)       the byte-level BPE tokenizer of the tiny models, saved into path
 
 Every builder writes a complete HF folder (config.json, model.safetensors, tokenizer files) that
 vLLM, SGLang and transformers load as they are, and returns its path. The random models are
 deterministic in `seed`; every quantized dimension is a multiple of 16.
 
-Command line: `python -m tests.models {tiny_qwen3,tiny_qwen3_moe,smollm2} [PATH]`.
+Command line: `python -m nvfp4_sampler.testing.models {tiny_qwen3,tiny_qwen3_moe,smollm2} [PATH]`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nvfp4_sampler.converters.smollm2 import CACHE_DIR, smollm2  # noqa: F401  (re-exported for the test suites)
+from nvfp4_sampler.converters.smollm2 import CACHE_DIR, smollm2  # noqa: F401  (re-exported for tests and benchmarks)
 
 VOCAB_SIZE = 512
 # Training text of the tiny tokenizer (and handy prompts for tests).
@@ -36,7 +37,7 @@ TEXT = (
 _SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def _tokenizer(path: Path) -> None:
+def tokenizer(path: str | os.PathLike) -> None:
     """Train a byte-level BPE tokenizer of VOCAB_SIZE on TEXT and save it (tokenizer.json + config)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -55,7 +56,7 @@ def _tokenizer(path: Path) -> None:
 def _save(model: torch.nn.Module, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(path)
-    _tokenizer(path)
+    tokenizer(path)
     return path
 
 

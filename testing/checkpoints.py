@@ -1,4 +1,5 @@
-"""Random BF16 checkpoints of real model shapes, built on the GPU (no tokenizer: engines take token ids).
+"""Random BF16 checkpoints of real model shapes, built on the GPU when there is one (no tokenizer:
+engines take token ids); the GPU engine tests and the end-to-end benchmark load them.
 
   SHAPES[name]  transformers config fields of Qwen3 / Qwen3-MoE shapes (layer count set per call)
   build(path, name, *, seed, layers)  -> path (config.json + model.safetensors)
