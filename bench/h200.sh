@@ -11,10 +11,19 @@
 set -u
 : "${OUT:?set OUT to the results folder}"
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
-bash .gpu-vllm/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+# vLLM from the harness. Its last step copies the top-level folders that an old pyproject listed; with
+# the nvfp4_sampler mapping it cannot, so it runs from a root holding only the harness and a stub
+# pyproject, and pip installs this checkout as the package it is (its entry points included).
+mkdir -p /tmp/gpu-root && ln -sfn "$PWD/.gpu-vllm" /tmp/gpu-root/.gpu-vllm
+printf '[project]\nname = "gpu-vllm-harness"\nversion = "0"\n' > /tmp/gpu-root/pyproject.toml
+{ bash /tmp/gpu-root/.gpu-vllm/install.sh &&
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site .
+} > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl .whl-sync/*.whl >> "$OUT/install.log" 2>&1
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# pytest puts the repository root on sys.path itself (tests/ is a package); nvfp4_sampler resolves there
+# to this checkout's folders, and vLLM finds the plugin through /tmp/site's dist-info.
+export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$OUT/device.txt" 2>&1
