@@ -102,8 +102,13 @@ class SamplerClient:
         return LogprobsResponse.model_validate(r.json())
 
     # ------------------------------------------------------------------ update transaction, step by step
-    def begin(self, target_version: int, manifest: list[TensorEntry]) -> UpdateStatus:
-        req = BeginRequest(target_version=target_version, manifest=manifest)
+    def begin(self, target_version: int, manifest: list[TensorEntry] | None = None, *,
+              bucket_bytes: int | None = None, plan_id: str | None = None) -> UpdateStatus:
+        """Open an update. bucket_bytes: a planned update (`server.plan.TransferPlan.build(manifest,
+        bucket_bytes=...)` on both ends; the status names its plan_id); plan_id instead of a manifest:
+        reuse a plan the sidecar built earlier in this run (nothing but the id travels)."""
+        req = BeginRequest(target_version=target_version, manifest=manifest or [], bucket_bytes=bucket_bytes,
+                           plan_id=plan_id)
         st = UpdateStatus.model_validate(self._call("POST", "/v1/weights/updates", json=req.model_dump()).json())
         self._data_ports[st.update_id] = st.data_port
         return st
@@ -128,6 +133,18 @@ class SamplerClient:
         flat, req = ipc.bucket(tensors, names)
         r = self._call("POST", f"/v1/weights/updates/{update_id}/ipc", json=req.model_dump())
         del flat                                          # the sidecar's copies are complete
+        return UpdateStatus.model_validate(r.json())
+
+    def send_bucket(self, update_id: str, bucket: int, flat: torch.Tensor) -> UpdateStatus:
+        """Planned update: stage bucket `bucket` from `flat`, a flat uint8 buffer laid out by the plan
+        (`TransferPlan.pack`, or written in place through `fused_views`) on a GPU (CUDA IPC) or in
+        shared memory (`ipc.shared_cpu_buffer`). Only the handle and the index travel; the sidecar
+        copies the bucket once, validates it in one pass and answers; `flat` may be reused then."""
+        from . import ipc
+        from .protocol import IpcBucket
+
+        req = IpcBucket(buffer=ipc.share(flat), bucket=bucket)
+        r = self._call("POST", f"/v1/weights/updates/{update_id}/ipc", json=req.model_dump())
         return UpdateStatus.model_validate(r.json())
 
     def commit(self, update_id: str) -> CommitResult:

@@ -16,7 +16,8 @@ import base64
 from collections.abc import Mapping
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from nvfp4_sampler.sampler_plugin import shared_buffers
 
 from .protocol import IpcBucket, IpcHandle, IpcTensor
 from .wire import WIRE_DTYPES, entry_for, iter_entries, parts, payload_nbytes
@@ -28,8 +29,11 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 
 
-def _unb64(s: str) -> bytes:
-    return base64.b64decode(s.encode())
+def shared_cpu_buffer(nbytes: int) -> torch.Tensor:
+    """A flat uint8 [nbytes] CPU buffer in shared memory (torch's file_system strategy: a segment
+    of the shared-memory manager, not a file anyone writes), shareable with `share`."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_using_filename_cpu(max(nbytes, 1)), 0,
+                                                  (nbytes,))
 
 
 def pack(tensors: Mapping[str, torch.Tensor], names: list[str] | None = None) -> tuple[torch.Tensor, list[IpcTensor]]:
@@ -43,8 +47,7 @@ def pack(tensors: Mapping[str, torch.Tensor], names: list[str] | None = None) ->
         total += -(-payload_nbytes(e) // ALIGN) * ALIGN
     device = tensors[entries[0].name].device
     if device.type == "cpu":
-        flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_using_filename_cpu(total), 0,
-                                                      (total,))
+        flat = shared_cpu_buffer(total)
     else:
         flat = torch.empty(total, dtype=torch.uint8, device=device)
     for e, off in zip(entries, offsets):
@@ -84,16 +87,4 @@ def bucket(tensors: Mapping[str, torch.Tensor], names: list[str] | None = None) 
 
 def open_buffer(h: IpcHandle) -> torch.Tensor:
     """The flat uint8 [nbytes] buffer a handle names, opened in this process (same host)."""
-    if h.offset + h.nbytes > h.storage_size_bytes:
-        raise ValueError(f"buffer [{h.offset}, {h.offset + h.nbytes}) exceeds its storage of "
-                         f"{h.storage_size_bytes} bytes")
-    if h.kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("a CUDA IPC handle was sent to a sidecar without CUDA")
-        return rebuild_cuda_tensor(torch.Tensor, (h.nbytes,), (1,), h.offset, torch.UntypedStorage, torch.uint8,
-                                   h.device, _unb64(h.handle), h.storage_size_bytes, h.storage_offset_bytes, False,
-                                   _unb64(h.ref_counter_handle), h.ref_counter_offset,
-                                   _unb64(h.event_handle) or None, h.event_sync_required)
-    storage = torch.UntypedStorage._new_shared_filename_cpu(_unb64(h.manager_handle), _unb64(h.handle),
-                                                            h.storage_size_bytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, h.offset, (h.nbytes,))
+    return shared_buffers.open_buffer(h.model_dump())

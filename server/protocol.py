@@ -53,10 +53,18 @@ class BeginRequest(BaseModel):
     """Open an update transaction towards `target_version` (> the engine's current version)."""
 
     target_version: int = Field(ge=1)
-    manifest: list[TensorEntry] = Field(min_length=1)
+    manifest: list[TensorEntry] = Field(default_factory=list)
+    # planned update (IPC buckets by index, `server.plan`): bucket_bytes builds the plan of
+    # `manifest`; plan_id (from an earlier UpdateStatus) reuses a plan the sidecar holds, manifest empty
+    bucket_bytes: int | None = Field(default=None, ge=1)
+    plan_id: str | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> "BeginRequest":
+        if not self.manifest and self.plan_id is None:
+            raise ValueError("a manifest (or the plan_id of a plan the sidecar holds) is required")
+        if self.manifest and self.plan_id is not None:
+            raise ValueError("send either a manifest or a plan_id, not both")
         names = [e.name for e in self.manifest]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -75,6 +83,7 @@ class UpdateStatus(BaseModel):
     received: int
     bytes_received: int
     data_port: int | None = None
+    plan_id: str | None = None                       # a planned update: IPC buckets by index
 
 
 class IpcHandle(BaseModel):
@@ -116,7 +125,14 @@ class IpcBucket(BaseModel):
     reuse the buffer afterwards."""
 
     buffer: IpcHandle
-    tensors: list[IpcTensor] = Field(min_length=1)
+    tensors: list[IpcTensor] = Field(default_factory=list)
+    bucket: int | None = Field(default=None, ge=0)   # planned update: bucket index, offsets from the plan
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "IpcBucket":
+        if (self.bucket is None) == (not self.tensors):
+            raise ValueError("an IPC bucket lists its tensors or names a planned bucket, not both")
+        return self
 
 
 class CommitResult(BaseModel):

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from . import ipc
+from .plan import TransferPlan
 from .engines.base import Engine, TensorSpec
 from .protocol import BeginRequest, CommitResult, IpcBucket, TensorEntry, UpdateStatus
 from .wire import FrameParser, WireError, decode_payload, invalid_tensor, payload_nbytes
@@ -81,15 +82,20 @@ class Update:
     state: str = "open"
     last_activity: float = dataclasses.field(default_factory=time.monotonic)
     streaming: bool = False
+    plan: TransferPlan | None = None                 # a planned update: IPC buckets by index only
+    bucket_offsets: list[int] = dataclasses.field(default_factory=list)   # bucket b's place in `buffer`
 
     def status(self, *, data_port: int | None = None) -> UpdateStatus:
         return UpdateStatus(update_id=self.id, target_version=self.target_version, state=self.state,
                             missing=[n for n in self.manifest if n not in self.staged],
-                            received=len(self.staged), bytes_received=self.bytes_received, data_port=data_port)
+                            received=len(self.staged), bytes_received=self.bytes_received, data_port=data_port,
+                            plan_id=self.plan.plan_id if self.plan is not None else None)
 
     def slot(self, entry: TensorEntry, nbytes: int) -> torch.Tensor:
         """The staging slot of a frame about to be written (FrameParser's `slot`); the entry's
         previous copy, if any, is unstaged first (its bytes are about to be overwritten)."""
+        if self.plan is not None:
+            raise WireError(f"update {self.id} is planned: it takes planned IPC buckets, not frames", status=409)
         expected = self.manifest.get(entry.name)
         if expected is None:
             raise WireError(f"{entry.name}: not in the update's manifest", status=422)
@@ -165,6 +171,7 @@ class UpdateManager:
         self.version = 0                                     # the serving version (set by the app at start)
         self.data_port: int | None = None                    # set by the app when the data plane listens
         self._spare: torch.Tensor | None = None              # a staging buffer to reuse
+        self.plans: dict[str, TransferPlan] = {}             # plans built this run, by plan_id (newest last)
         self._commit_lock = asyncio.Lock()
 
     def status(self, u: Update) -> UpdateStatus:
@@ -183,8 +190,17 @@ class UpdateManager:
         if req.target_version <= self.version:
             raise UpdateError(f"target_version {req.target_version} must be greater than the current "
                               f"version {self.version}", status=409)
+        plan = None
+        if req.plan_id is not None:
+            plan = self.plans.get(req.plan_id)
+            if plan is None:
+                raise UpdateError(f"unknown plan_id {req.plan_id!r}: begin with the manifest and bucket_bytes",
+                                  status=404)
+            manifest = list(plan.manifest)
+        else:
+            manifest = req.manifest
         problems = []
-        for e in req.manifest:
+        for e in manifest if plan is None else ():          # a held plan was checked when it was built
             spec: TensorSpec | None = self.engine.specs.get(e.name)
             msg = f"{e.name}: unknown tensor name" if spec is None else spec.check(e)
             if msg:
@@ -192,16 +208,30 @@ class UpdateManager:
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise UpdateError("; ".join(problems[:5]) + more, status=422)
+        if plan is None and req.bucket_bytes is not None:
+            plan = TransferPlan.build(manifest, bucket_bytes=req.bucket_bytes)
+            self.plans.pop(plan.plan_id, None)
+            self.plans[plan.plan_id] = plan
+            while len(self.plans) > 4:
+                self.plans.pop(next(iter(self.plans)))
         offsets, total = {}, 0
-        for e in req.manifest:
-            offsets[e.name] = total
-            total += -(-payload_nbytes(e) // ipc.ALIGN) * ipc.ALIGN
+        if plan is None:
+            for e in manifest:
+                offsets[e.name] = total
+                total += -(-payload_nbytes(e) // ipc.ALIGN) * ipc.ALIGN
+        else:                                                # the plan's buckets back to back
+            bucket_offsets = []
+            for b in plan.buckets:
+                bucket_offsets.append(total)
+                total += -(-b.nbytes // ipc.ALIGN) * ipc.ALIGN
         buffer = self._spare if self._spare is not None and self._spare.numel() >= total else None
         self._spare = None
         if buffer is None:
-            buffer = torch.empty(total, dtype=torch.uint8)
-        slots = {e.name: buffer[offsets[e.name]:offsets[e.name] + payload_nbytes(e)] for e in req.manifest}
-        self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in req.manifest}, slots, buffer)
+            buffer = self.engine.staging_buffer(total)
+        slots = {e.name: buffer[offsets[e.name]:offsets[e.name] + payload_nbytes(e)] for e in manifest} \
+            if plan is None else {}
+        self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in manifest}, slots, buffer,
+                              plan=plan, bucket_offsets=bucket_offsets if plan is not None else [])
         return self.status(self.current)
 
     def get(self, update_id: str) -> Update:
@@ -247,10 +277,15 @@ class UpdateManager:
         refused bucket leaves its entries missing); CPU buffers are copied into the staging slots,
         CUDA buffers into new tensors on their device; the copies are complete on return."""
         u = rx.update
+        if (bucket.bucket is not None) != (u.plan is not None):
+            how = "planned: send buckets by index" if u.plan else "not planned: list the tensors of the bucket"
+            raise UpdateError(f"update {u.id} is {how}", status=409)
         try:
             flat = ipc.open_buffer(bucket.buffer)
         except (RuntimeError, ValueError) as e:
             raise UpdateError(f"cannot open the shared buffer: {e}", status=422) from e
+        if u.plan is not None:
+            return self._stage_planned(u, bucket.bucket, flat)
         staged = []
         with _as_update_error():
             for item in bucket.tensors:
@@ -272,6 +307,36 @@ class UpdateManager:
         del flat
         for entry, parts, n in staged:
             u.stage(entry, parts, n)
+        return self.status(u)
+
+    def _stage_planned(self, u: Update, b: int, flat: torch.Tensor) -> UpdateStatus:
+        """Planned bucket `b`: one copy of the whole bucket (into its place in the staging buffer, or
+        one new tensor on its GPU), one validation pass per value class into a device flag, one host
+        synchronisation; then every member is staged as a view. A bad bucket stages nothing."""
+        plan = u.plan
+        if u.state != "open":
+            raise UpdateError(f"update {u.id} is {u.state}", status=409)
+        try:
+            n = plan.buckets[b].nbytes
+            plan._check(b, flat)
+        except (IndexError, ValueError) as e:
+            raise UpdateError(f"bucket {b}: {e}", status=422) from e
+        members = [plan.entries[i].members for i in plan.buckets[b].entries]
+        for ms in members:
+            for m in ms:
+                u.staged.pop(m.entry.name, None)             # their bytes are about to be overwritten
+        if flat.device.type == "cpu":
+            dst = u.buffer[u.bucket_offsets[b]:u.bucket_offsets[b] + n]
+        else:
+            dst = torch.empty(n, dtype=torch.uint8, device=flat.device)
+        dst.copy_(flat[:n])
+        flag = plan.validate(b, dst)
+        if bool(flag):                                       # the one host sync of the bucket
+            raise UpdateError(plan.find_invalid(b, dst) or f"bucket {b}: invalid values", status=422)
+        del flat
+        u.last_activity = time.monotonic()
+        for name, parts in plan.member_views(b, dst).items():
+            u.stage(u.manifest[name], parts, sum(t.numel() * t.element_size() for t in parts.values()))
         return self.status(u)
 
     def abort(self, update_id: str) -> UpdateStatus:

@@ -428,3 +428,43 @@ def test_ipc_buckets_update_equals_fresh_engine(client, models, reference_logpro
     assert st.missing == [] and st.received == len(names)
     assert client.commit(st.update_id).weight_version == v + 1
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def test_planned_buckets_update_equals_fresh_engine(client, models, reference_logprobs):
+    """A planned update (`server.plan`): the trainer and the sidecar build the same plan from the
+    manifest; each bucket travels as a handle and an index (fused q/k/v and gate/up, fixed offsets);
+    a bucket with NaN is refused whole in one validation pass, naming the tensor, and leaves its
+    entries missing; the plan is reused by id; the commit equals a fresh engine."""
+    from nvfp4_sampler.server.ipc import shared_cpu_buffer
+    from nvfp4_sampler.server.plan import TransferPlan
+
+    client.push(models["a"], layout="nvfp4", progress=False)
+    v, before = lp(client)
+    b = tensors(models["b_nvfp4"])
+    entries = list(iter_entries(b))
+    plan = TransferPlan.build(entries, bucket_bytes=128 << 10)
+    assert len(plan.buckets) > 1 and len(plan.entries) < len(entries)
+    st = client.begin(v + 1, entries, bucket_bytes=128 << 10)
+    assert st.plan_id == plan.plan_id
+    flat = shared_cpu_buffer(plan.new_buffer().numel())
+    with pytest.raises(SidecarError, match="frames") as e:              # a planned update takes buckets only
+        client.send(st.update_id, [bytes(x) for x in encode_frame(entries[0], b)])
+    assert e.value.status == 409
+    bad = dict(b)
+    k, member = next((pe.bucket, m) for pe in plan.entries for m in pe.members
+                     if m.entry.layout == "nvfp4" and len(pe.members) > 1)          # a fused entry's member
+    scale = member.entry.name.removesuffix(".weight") + ".weight_scale"
+    bad[scale] = b[scale].clone()
+    bad[scale].view(torch.uint8)[0, 0] = 0x7F                            # float8_e4m3fn NaN
+    with pytest.raises(SidecarError, match=f"{scale}: NaN") as e:
+        client.send_bucket(st.update_id, k, plan.pack(k, bad, flat))
+    assert e.value.status == 422 and client.status(st.update_id).received == 0
+    for i in range(len(plan.buckets)):
+        st = client.send_bucket(st.update_id, i, plan.pack(i, b, flat))
+    assert st.missing == [] and st.received == len(entries)
+    assert client.commit(st.update_id).weight_version == v + 1
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+    st = client.begin(v + 2, plan_id=plan.plan_id)                       # the plan is reused: only its id travels
+    assert st.plan_id == plan.plan_id and len(st.missing) == len(entries)
+    client.abort(st.update_id)
+    assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])

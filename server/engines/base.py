@@ -116,5 +116,10 @@ class Engine(abc.ABC):
         """A streaming OpenAI call (`"stream": true`, route "completions" or "chat/completions"):
         (200, server-sent-event bytes ending with `data: [DONE]`) or (error status, JSON error)."""
 
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 [nbytes] CPU buffer for an update's staging area (an engine in another
+        process allocates it in shared memory, so the commit hands it over without a copy)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def queue_depth(self) -> int:
         return 0
