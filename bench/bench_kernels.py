@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe, triton_quant
+from nvfp4_sampler.kernels import cuda_mma, reference, triton_gemm, triton_moe, triton_quant
 
 L2_ROTATE_BYTES = 256 << 20
 LINEAR_SHAPES = {          # name: (N, K)
@@ -182,17 +182,29 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
-            for path in ("gemv",) * (m <= triton_gemm.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024) + ("bf16",):
+            mma = m <= cuda_mma.MMA_MAX_M and cuda_mma.shape_ok(n, k)
+            for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemm.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024)
+                         + ("bf16",)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if mma:                                       # the mma kernel alone, activation quantized beforehand
+                xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                row["mma_kernel_ms"] = graph_ms(
+                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_q]) / len(w_q)
+                w_t = [cuda_mma.tile_weight(w) for w in w_q]
+                row["mma_tiled_kernel_ms"] = graph_ms(
+                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, tiled=True) for w in w_t]) / len(w_t)
+                del w_t
+                row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemm.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 for fused in (True, False):
                     row[f"gemv_{'fused' if fused else 'unfused'}_ms"] = graph_ms(
                         lambda: [triton_gemm.launch_w4a4_gemv(x, w, out, fused=fused) for w in w_q]) / len(w_q)
-            row["auto_path"] = triton_gemm.linear_path(m, "per_token")
+            row["auto_path"] = triton_gemm.linear_path(m, "per_token", w_q[0])
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
-            row["best_speedup_vs_cublas"] = cublas / min(row.get("gemv_ms", math.inf), row.get("packed_ms", math.inf), row["bf16_ms"])
+            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16"))
             row["weight_gbps"] = gbps(w_q[0].nbytes, row["ours_ms"])
             row["weight_frac_copy"] = row["weight_gbps"] / peak_gbps
             if m in (1, 16):
@@ -259,7 +271,7 @@ def bench_moe(log, quick: bool) -> None:
         ours = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
         row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemm.PAIRED_MAX_PAIRS else "grouped")
         if t <= 64:                               # both decode paths, whichever the threshold picks
-            row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
+            row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -286,16 +298,22 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     print("\nweight conversion, Qwen3-30B-A3B layer x48")
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
-    print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS     gemv   packed"
-          "     bf16  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
+    print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS      mma     gemv"
+          "   packed     bf16  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
     for r in by("linear"):
         sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
         peer = (f"{r['peer_ms'] * 1e3:7.1f} {r['peer_speedup_vs_cublas']:10.2f}x {r['speedup_vs_peer']:8.2f}x"
                 if "peer_ms" in r else f"{'-':>7s} {'-':>11s} {'-':>9s}")
-        print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
+        print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('mma_ms', math.nan) * 1e3:8.1f}"
+              f" {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
               f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
               f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x {r['weight_gbps']:6.0f} {100 * r['weight_frac_copy']:5.1f}"
               f" {peer}  {sw}")
+    for r in by("linear"):
+        if "mma_kernel_ms" in r:
+            print(f"  mma  {r['shape']:13s} M={r['m']:2d}: kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
+                  f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
+                  f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us")
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "

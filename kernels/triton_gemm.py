@@ -6,7 +6,9 @@ scales (per token for activations, per output row for weights) are applied in th
 the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `reference.nvfp4_gemm`
 only by the order of the FP32 additions.
 
-Three paths, chosen by `linear_path(m)`:
+Four paths, chosen by `linear_path(m, ...)`:
+  "mma"     (M <= cuda_mma.MMA_MAX_M, per token, bf16/fp16)  `cuda_mma`: CUDA C++ on FP16 tensor cores
+            (mma.sync) over the ModelOpt codes and exact FP16 activations; batch-invariant.
   "gemv"    (M <= GEMV_MAX_M)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory and are read
             as int64 blocks of 16 codes; shifts and masks turn codes into FP16 bit patterns and packed
             FP16 multiply-adds form exact block dot products (see `_DOT16`), scaled and summed in
@@ -26,14 +28,23 @@ the router weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import triton_quant
+from . import cuda_mma, triton_quant
 from .format import NVFP4Tensor
 
 PACKED_MAX_M = 64
+_MMA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_supported(device: torch.device) -> bool:
+    """cuda_mma can run on this device (probed once per device)."""
+    return cuda_mma.supported(device)[0]
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
 _DECODE_LO = tl.constexpr("""{
@@ -723,7 +734,7 @@ def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
 
 def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  amax: torch.Tensor | None, op_order: str) -> torch.Tensor:
-    a = triton_quant.quantize_per_token_exact_bf16(x2, amax=amax, op_order=op_order)
+    a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order)
     acc = torch.mm(a.values, dequantize_bf16(w).t(), out_dtype=torch.float32)
     m, n = acc.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -734,8 +745,12 @@ def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, ou
     return out
 
 
-def linear_path(m: int, scaling: str) -> str:
-    """Which GEMM path a linear with m rows takes: "gemv", "packed" or "bf16"."""
+def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which GEMM path a linear with m rows of `dtype` and weight w takes: "mma" (per token, w on a
+    device where `cuda_mma` runs and of its shape contract, bf16/fp16), "gemv", "packed" or "bf16"."""
+    if (m <= cuda_mma.MMA_MAX_M and scaling == "per_token" and w is not None and dtype in _MMA_DTYPES
+            and w.codes.dim() == 2 and cuda_mma.shape_ok(*w.shape) and _mma_supported(w.codes.device)):
+        return "mma"
     if m <= GEMV_MAX_M:
         return "gemv"
     return "packed" if m <= PACKED_MAX_M or scaling == "per_tensor" else "bf16"
@@ -747,7 +762,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
     op_order: the activation quantizer's, "vllm" (the spec) or "te".
-    path forces "gemv" (M <= GEMV_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
+    path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`), "gemv" (M <= GEMV_KERNEL_MAX_M), "packed" or
+    "bf16" (per token only); default `linear_path`."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
     if scaling not in ("per_token", "per_tensor"):
@@ -757,8 +773,14 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         if amax.shape != x.shape[:-1]:
             raise ValueError(f"amax: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
         amax = amax.reshape(-1)
-    path = path or linear_path(x2.shape[0], scaling)
-    if path == "bf16":
+    path = path or linear_path(x2.shape[0], scaling, w, x.dtype)
+    if path == "mma":
+        if scaling != "per_token":
+            raise ValueError("the mma path implements per-token scaling only")
+        a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
+        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias)
+    elif path == "bf16":
         if scaling != "per_token":
             raise ValueError("the bf16 path implements per-token scaling only")
         out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
@@ -774,5 +796,5 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         launch_w4a4(a, w, out, bias=bias)
     else:
-        raise ValueError(f"path must be 'gemv', 'packed' or 'bf16', got {path!r}")
+        raise ValueError(f"path must be 'mma', 'gemv', 'packed' or 'bf16', got {path!r}")
     return out.reshape(*x.shape[:-1], w.shape[0])

@@ -32,6 +32,9 @@ from . import reference
 from .format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter (tests): CPU tensors
+# programmatic dependent launch: the activation quantizer lets the next kernel (cuda_mma) start and
+# prefetch its weights while it runs (a no-op for any other follower)
+PDL = not INTERPRET and hasattr(tl.extra.cuda, "gdc_launch_dependents")
 
 
 class SwizzledNVFP4(NamedTuple):
@@ -47,9 +50,9 @@ class SwizzledNVFP4(NamedTuple):
     global_scale: torch.Tensor
 
 
-class ExactBF16Rows(NamedTuple):
-    """Per-token quantized rows in dense form: `values` = e2m1(q) * float(s) (exact in BF16,
-    [M, K]) and `global_scale` = S_dec per row (float32 [M]); dequantized x' = values * S_dec."""
+class ExactRows(NamedTuple):
+    """Per-token quantized rows in dense form: `values` = e2m1(q) * float(s) (exact in BF16 and
+    FP16, [M, K]) and `global_scale` = S_dec per row (float32 [M]); dequantized x' = values * S_dec."""
 
     values: torch.Tensor
     global_scale: torch.Tensor
@@ -187,7 +190,7 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
         tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & (blocks[None, :] < n_blocks))
     if WRITE_DEQ:
         deq = _e2m1_value(code) * scale.to(tl.float32)[:, :, None]
-        tl.store(deq_ptr + rows64[:, None, None] * K + cols, deq.to(tl.bfloat16), mask=mask)
+        tl.store(deq_ptr + rows64[:, None, None] * K + cols, deq.to(deq_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -195,14 +198,17 @@ def _act_quant_kernel(
     x_ptr, stride_xm,                      # input [M, K] float, row stride
     amax_ptr,                              # fp32 amax: [1] of the tensor (AMAX_MODE 1), [M] per row (2)
     codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M] (or [1])
-    deq_ptr,                               # output bf16 [M, K] exact e2m1*s (WRITE_DEQ)
+    deq_ptr,                               # output bf16 / fp16 [M, K] exact e2m1*s (WRITE_DEQ)
     M, K, n_tiles,
     ROWS: tl.constexpr, NB_PAD: tl.constexpr,
     AMAX_MODE: tl.constexpr,               # 0: max|x| per row, 1: given per tensor, 2: given per row
     SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
     PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
     TE: tl.constexpr,                      # TransformerEngine's op order (module docstring)
+    PDL: tl.constexpr,                     # let a dependent launch (cuda_mma) start now: it waits for our results
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if PERSIST_STAGES == 0:
         _act_tile(tl.program_id(0), x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
                   ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE)
@@ -302,7 +308,8 @@ def _row_amax(amax: torch.Tensor | None, x: torch.Tensor, name: str = "amax") ->
 
 
 def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
-                config: dict | None = None, per_row_amax: bool = False, op_order: str = "vllm"):
+                config: dict | None = None, per_row_amax: bool = False, op_order: str = "vllm",
+                deq_dtype: torch.dtype = torch.bfloat16):
     """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax)."""
     reference._check_op_order(op_order)
     cfg = config or ACT_CONFIG
@@ -317,14 +324,14 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
     else:
         scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
     gs = torch.empty((m if amax is None or per_row_amax else 1,), dtype=torch.float32, device=dev)
-    out_deq = torch.empty((m, k), dtype=torch.bfloat16, device=dev) if deq else None
+    out_deq = torch.empty((m, k), dtype=deq_dtype, device=dev) if deq else None
     n_tiles = triton.cdiv(m, rows)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
             x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], TE=op_order == "te",
-            num_warps=cfg["num_warps"])
+            PDL=PDL, num_warps=min(16, max(cfg["num_warps"], nb_pad * BLOCK // 1024)))   # long rows: more warps
     return out_codes, scales, gs, out_deq
 
 
@@ -352,17 +359,19 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
     return SwizzledNVFP4(codes, scales, gs)
 
 
-def quantize_per_token_exact_bf16(x: torch.Tensor, *, amax: torch.Tensor | None = None,
-                                  op_order: str = "vllm") -> ExactBF16Rows:
-    """Per-token quantization of x [M, K] written as exact BF16 values e2m1(q)*s plus S_dec [M]:
-    the operand of the large-M path (a BF16 tensor-core GEMM computes the same products).
-    amax, op_order: as in `quantize_per_token`."""
+def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
+                             dtype: torch.dtype = torch.bfloat16) -> ExactRows:
+    """Per-token quantization of x [M, K] written as exact values e2m1(q)*s in `dtype` (bf16 for the
+    large-M cuBLAS path, fp16 for `cuda_mma`) plus S_dec [M]: a tensor-core GEMM over them computes
+    the exact block products. amax, op_order: as in `quantize_per_token`."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
     _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
-                                per_row_amax=True, op_order=op_order)
-    return ExactBF16Rows(deq, gs)
+                                per_row_amax=True, op_order=op_order, deq_dtype=dtype)
+    return ExactRows(deq, gs)
 
 
 def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm") -> NVFP4Tensor:

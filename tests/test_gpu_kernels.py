@@ -60,7 +60,7 @@ def test_per_token_quantization_is_bit_exact(tk, m, k):
     assert torch.equal(sw.block_scales.view(torch.uint8).cpu(),
                        reference.swizzle_scales_128x4(want.block_scales).view(torch.uint8))
     assert torch.equal(sw.global_scale.cpu(), want.global_scale)
-    exact = tq.quantize_per_token_exact_bf16(x)
+    exact = tq.quantize_per_token_exact(x)
     assert torch.equal(exact.values.float().cpu(), reference.dequantize_unscaled(want))
     assert torch.equal(exact.global_scale.cpu(), want.global_scale)
 
@@ -260,7 +260,7 @@ def test_per_token_quantization_with_given_amax_is_bit_exact(tk, m):
     amax[0] = 0.0                                         # amax 0 -> S_enc 1, as in the spec
     want = reference.quantize_per_token(x.cpu(), row_amax=amax.cpu())
     _assert_same(tq.quantize_per_token(x, amax=amax), want)
-    exact = tq.quantize_per_token_exact_bf16(x, amax=amax)
+    exact = tq.quantize_per_token_exact(x, amax=amax)
     assert torch.equal(exact.values.float().cpu(), reference.dequantize_unscaled(want))
     assert torch.equal(exact.global_scale.cpu(), want.global_scale)
     with pytest.raises(ValueError, match="amax"):
@@ -332,7 +332,7 @@ def test_te_op_order_quantizers_are_bit_exact(tk, m, k):
     for given in (None, amax):
         want = reference.quantize_per_token(xc, row_amax=None if given is None else given.cpu(), op_order="te")
         _assert_same(tq.quantize_per_token(x, amax=given, op_order="te"), want)
-        exact = tq.quantize_per_token_exact_bf16(x, amax=given, op_order="te")
+        exact = tq.quantize_per_token_exact(x, amax=given, op_order="te")
         assert torch.equal(exact.values.float().cpu(), reference.dequantize_unscaled(want))
     _assert_same(tq.quantize_per_tensor(x, op_order="te"), reference.quantize_per_tensor(xc, op_order="te"))
     for recipe in ("1d", "2d"):

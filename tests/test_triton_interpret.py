@@ -77,9 +77,12 @@ def check_quantizers(op_order: str) -> None:
             want = reference.quantize_per_token(x, row_amax=amax, op_order=op_order)
             assert_same(triton_quant.quantize_per_token(x, amax=amax, op_order=op_order), want,
                          f"per token {dtype} amax={amax is not None} {op_order}")
-            rows = triton_quant.quantize_per_token_exact_bf16(x, amax=amax, op_order=op_order)
+            rows = triton_quant.quantize_per_token_exact(x, amax=amax, op_order=op_order)
             assert torch.equal(rows.values.float(), reference.dequantize_unscaled(want)), f"exact bf16 {op_order}"
             assert torch.equal(rows.global_scale, want.global_scale), f"exact bf16 S_dec {op_order}"
+            rows16 = triton_quant.quantize_per_token_exact(x, amax=amax, op_order=op_order, dtype=torch.float16)
+            assert rows16.values.dtype == torch.float16          # the cuda_mma operand: exact in FP16 too
+            assert torch.equal(rows16.values.float(), reference.dequantize_unscaled(want)), f"exact fp16 {op_order}"
         for amax in (None, torch.tensor(7.0)):
             assert_same(triton_quant.quantize_per_tensor(x, amax=amax, op_order=op_order),
                          reference.quantize_per_tensor(x, amax=amax, op_order=op_order),

@@ -1,0 +1,200 @@
+"""Small-M exact W4A4 linear on FP16 tensor cores (CUDA C++ `cuda/w4a16_mma.cu`, compiled by NVRTC).
+
+The decode path of the Triton backend for M <= MMA_MAX_M: weights stay in the ModelOpt layout (no
+repacking), the activation is quantized per token into exact FP16 values plus an FP32 S_dec per
+token (`triton_quant.quantize_per_token_exact`), and one launch multiplies them with the weight as
+the MMA's register operand (the .cu file's header says how). Results differ from
+`reference.nvfp4_gemm` only by the order of the FP32 additions; that order depends on (N, K) alone,
+so every token's output is bitwise the same at any M and in any batch (batch-invariant).
+
+Compilation: NVRTC through torch (`torch.cuda._utils`, torch >= 2.8 built with CUDA); PTX is cached on
+disk under $NVFP4_SAMPLER_CACHE (default ~/.cache/nvfp4_sampler) keyed by source, options and device,
+so only the first process on a machine pays the compile (a few seconds per variant).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+
+import torch
+
+from .format import NVFP4Tensor
+
+MMA_MAX_M = 16            # tokens per CTA tile; larger M loops over tiles (same per-token result)
+CHUNK = 128               # K elements per chunk (one 16-byte load per row and thread)
+ROW_TILES = 4             # 16-row warp tiles per CTA
+_SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
+_MIN_CTAS = 264           # two CTAs per SM of an H200 before the split-K slice is halved
+
+
+def supported(device: torch.device) -> tuple[bool, str]:
+    """Can this kernel run on `device` at all (load-time probe)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "needs a CUDA device"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"needs compute capability >= 8.9 (cvt.e4m3x2), got {cap[0]}.{cap[1]}"
+    try:
+        from torch.cuda import _utils
+        _utils._get_gpu_rtc_library()
+    except Exception as e:  # noqa: BLE001 - any failure to find NVRTC means "not supported", with its reason
+        return False, f"NVRTC unavailable through torch: {e}"
+    return True, f"NVRTC, compute capability {cap[0]}.{cap[1]}"
+
+
+def shape_ok(n: int, k: int) -> bool:
+    """The kernel's shape contract: N a multiple of 16, K of 128."""
+    return n % 16 == 0 and k % CHUNK == 0 and k > 0
+
+
+def config(n: int, k: int) -> dict:
+    """Launch constants from the weight shape alone (never M: the reduction order must not depend
+    on the batch): CPS chunks of 128 per split-K slice (16, or 8 when that leaves fewer than
+    _MIN_CTAS CTAs), S slices, ROW_CTAS CTAs of ROW_TILES * 16 rows."""
+    chunks = k // CHUNK
+    row_ctas = -(-n // (16 * ROW_TILES))
+    cps = min(chunks, 16 if row_ctas * -(-chunks // 16) >= _MIN_CTAS else 8)
+    return dict(CPS=cps, S=-(-chunks // cps), ROW_CTAS=row_ctas)
+
+
+def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
+    """(shape, permutation) taking a row-major [N, K * unit / 128] byte array (unit bytes per thread
+    and chunk: 16 for codes, 2 for scales) to the tiled order [N/16][K/128][half][g][t][unit]."""
+    return [n // 16, 2, 8, k // CHUNK, 4, unit], [0, 3, 1, 2, 4, 5]
+
+
+def tile_weight(w: NVFP4Tensor) -> NVFP4Tensor:
+    """w [N, K] with codes and block scales rearranged (same shapes and dtypes) so that each warp of
+    the TILED kernel reads contiguous 512-byte runs; `untile_weight` inverts it. Any device."""
+    n, k = w.shape
+    if w.codes.dim() != 2 or not shape_ok(n, k):
+        raise ValueError(f"tile_weight needs [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
+    out = []
+    for t, unit in ((w.codes, 16), (w.block_scales.view(torch.uint8), 2)):
+        shape, perm = _tile_order(n, k, unit)
+        out.append(t.reshape(shape).permute(perm).contiguous().reshape(t.shape))
+    return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
+
+
+def untile_weight(w: NVFP4Tensor) -> NVFP4Tensor:
+    """The inverse of `tile_weight`: the ModelOpt row-major layout."""
+    n, k = w.shape
+    out = []
+    for t, unit in ((w.codes, 16), (w.block_scales.view(torch.uint8), 2)):
+        shape, perm = _tile_order(n, k, unit)
+        tiled_shape = [shape[i] for i in perm]
+        inverse = [perm.index(i) for i in range(len(perm))]
+        out.append(t.reshape(tiled_shape).permute(inverse).contiguous().reshape(t.shape))
+    return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
+
+
+def _cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("NVFP4_SAMPLER_CACHE", pathlib.Path.home() / ".cache" / "nvfp4_sampler"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(nt: int, out_bf16: bool, tiled: bool, device_index: int):
+    """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
+    dynamic shared memory of the largest slice."""
+    from torch.cuda import _utils
+    cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
+    defines = [f"-DNT={nt}", f"-DRW={ROW_TILES}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}"]
+    source = _SOURCE.read_text()
+    key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"w4a16_mma-{key}.ptx"
+    if path.exists():
+        ptx = path.read_bytes()
+    else:
+        ptx, _ = _utils._nvrtc_compile(source, "w4a16_mma", cap, nvcc_options=["-std=c++17", *defines])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(ptx)
+        tmp.replace(path)
+    with torch.cuda.device(device_index):
+        kernel = _utils._cuda_load_module(ptx, ["w4a16_mma"])["w4a16_mma"]
+        kernel.set_shared_memory_config(_smem_bytes(nt, 16))
+    return kernel
+
+
+def _smem_bytes(nt: int, cps: int) -> int:
+    """Dynamic shared memory of a CTA: its activation slice, fp16 [nt * 8, cps * 128]."""
+    return nt * 8 * cps * CHUNK * 2
+
+
+@functools.lru_cache(maxsize=None)
+def _tickets(device_index: int) -> torch.Tensor:
+    """Zeroed int32 split-K tickets, shared by every launch on the device (the kernel leaves them 0)."""
+    return torch.zeros(1 << 20, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
+class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6         # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_uint * 16)(1))
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
+           bias: torch.Tensor | None = None, tiled: bool = False, cps: int | None = None) -> torch.Tensor:
+    """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
+
+    x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
+    x_gs  fp32 [M]: the activation's S_dec per token
+    w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
+    out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
+    tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
+    cps   override of `config`'s chunks per split (benchmarks; 1..16): changes the summation order
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    if x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,) or x_gs.dtype != torch.float32:
+        raise ValueError(f"x must be contiguous fp16 [M, K] with fp32 x_gs [M]; got {x.dtype} {tuple(x.shape)}, "
+                         f"x_gs {x_gs.dtype} {tuple(x_gs.shape)}")
+    if w.codes.dim() != 2 or w.shape[1] != k or not shape_ok(n, k) or not w.codes.is_contiguous():
+        raise ValueError(f"w must be contiguous [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
+    if out.shape != (m, n) or out.dtype not in (torch.bfloat16, torch.float16) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bf16/fp16 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{n}] {out.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    if m == 0:
+        return out
+    cfg = config(n, k)
+    if cps is not None:
+        if not 1 <= cps <= 16:
+            raise ValueError(f"cps must be in [1, 16], got {cps}")
+        cfg = dict(cfg, CPS=cps, S=-(-(k // CHUNK) // cps))
+    nt = 1 if m <= 8 else 2
+    m_tiles = -(-m // (8 * nt))
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    tickets = _tickets(dev)
+    if cfg["ROW_CTAS"] * m_tiles > tickets.numel():
+        raise ValueError(f"too many tiles for the ticket buffer: {cfg['ROW_CTAS'] * m_tiles}")
+    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
+    gs = w.global_scale
+    kernel = _kernel(nt, out.dtype == torch.bfloat16, tiled, dev)
+    args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
+            _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
+            ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
+    arg_ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    from torch.cuda import _utils
+    # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
+    # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
+    cfg_ = _LaunchConfig((ctypes.c_uint * 3)(cfg["ROW_CTAS"], cfg["S"], m_tiles), (ctypes.c_uint * 3)(32 * ROW_TILES, 1, 1),
+                         _smem_bytes(nt, cfg["CPS"]), torch.cuda.current_stream(x.device).cuda_stream,
+                         ctypes.pointer(_PDL), 1)
+    _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg_), kernel.func, arg_ptrs,
+                                                                          None))
+    return out

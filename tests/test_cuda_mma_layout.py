@@ -1,0 +1,122 @@
+"""CPU checks of the small-M CUDA kernel (`kernels/cuda/w4a16_mma.cu`) that need no GPU.
+
+1. The fragment mapping, modelled in numpy with the constants read out of the .cu source: the bit
+   decode `dec` turns every pair of E2M1 codes into the FP16 pair e2m1 * 2^-14 exactly, and the
+   activation permutation pairs each weight element with its own activation element, so the sum
+   over the MMA's slots is the plain dot product (exactly, in float64).
+2. The source compiles for sm_90 with nvcc (when nvcc is on PATH) without register spills, for every
+   variant the host launches.
+The GPU test (`tests/test_gpu_mma.py`) checks the kernel's numbers on the H200.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from nvfp4_sampler.kernels import cuda_mma
+from nvfp4_sampler.kernels.format import E2M1_VALUES
+
+SOURCE = cuda_mma._SOURCE.read_text()
+E2M1 = np.array([*E2M1_VALUES, *(-v for v in E2M1_VALUES)])     # by 4-bit code, sign in bit 3
+
+
+_DEC = re.search(r"dec\(u32 w\) \{ return \(w & (0x[0-9a-f]+)u\) \| \(\(w & (0x[0-9a-f]+)u\) >> (\d)\); \}", SOURCE)
+
+
+def _dec(w: np.ndarray) -> np.ndarray:
+    """The kernel's `dec`, with its constants read from the source."""
+    sign, mag, shift = (int(v, 0) for v in _DEC.groups())
+    return (w & np.uint32(sign)) | ((w & np.uint32(mag)) >> np.uint32(shift))
+
+
+def _halves(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A uint32 array as its (low, high) FP16 halves, in float64."""
+    pair = r.astype("<u4").view("<f2").reshape(*r.shape, 2).astype(np.float64)
+    return pair[..., 0], pair[..., 1]
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    src = np.stack([a, b], -1).astype("<u4").view(np.uint8).reshape(*a.shape, 8)
+    idx = [(sel >> (4 * i)) & 7 for i in range(4)]
+    return src[..., idx].copy().view("<u4").reshape(a.shape)
+
+
+def test_decode_gives_exact_fp16_pairs():
+    """Every code pair at every shift the kernel uses (all 2^16 low/high byte pairs of a word)."""
+    lo, hi = np.meshgrid(np.arange(256, dtype=np.uint32), np.arange(256, dtype=np.uint32), indexing="ij")
+    words = (lo << 8) | (hi << 24) | np.uint32(0x00A500A5)     # bytes 1 and 3 vary, bytes 0 and 2 fixed
+    nib = lambda w, i: (w >> np.uint32(4 * i)) & np.uint32(15)  # noqa: E731 - element i of the word
+    for shift, (el_lo, el_hi) in zip((0, 4, 8, 12), ((3, 7), (2, 6), (1, 5), (0, 4))):
+        a, b = _halves(_dec((words << np.uint32(shift)) & np.uint32(0xFFFFFFFF)))
+        assert np.array_equal(a * 2.0 ** 14, E2M1[nib(words, el_lo)]), shift
+        assert np.array_equal(b * 2.0 ** 14, E2M1[nib(words, el_hi)]), shift
+
+
+def test_activation_permutation_pairs_each_element_with_its_weight():
+    """One 8-element word of codes and its 8 activations: the two k16 steps' MMA slots sum to the dot."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(1000, 8), dtype=np.uint32)
+    word = sum(codes[:, i] << np.uint32(4 * i) for i in range(8)).astype(np.uint32)
+    x = rng.choice(E2M1, size=(1000, 8)) * 2.0 ** rng.integers(-6, 6, size=(1000, 1))
+    xh = x.astype("<f2").view("<u2").astype(np.uint32)
+    v = [xh[:, 2 * i] | (xh[:, 2 * i + 1] << np.uint32(16)) for i in range(4)]      # v.x .. v.w of the load
+    sels = re.search(r"make_uint4\(prmt\(v\.y, v\.w, (0x\w+)\), prmt\(v\.y, v\.w, (0x\w+)\),\s*"
+                     r"prmt\(v\.x, v\.z, (0x\w+)\), prmt\(v\.x, v\.z, (0x\w+)\)\)", SOURCE).groups()
+    staged = [_prmt(v[1], v[3], int(sels[0], 16)), _prmt(v[1], v[3], int(sels[1], 16)),
+              _prmt(v[0], v[2], int(sels[2], 16)), _prmt(v[0], v[2], int(sels[3], 16))]
+    # step 2w: A pairs dec(w), dec(w << 4) with B staged .x, .y; step 2w+1: dec(w << 8), dec(w << 12) with .z, .w
+    total = np.zeros(1000)
+    for shift, b in zip((0, 4, 8, 12), staged):
+        a_lo, a_hi = _halves(_dec((word << np.uint32(shift)) & np.uint32(0xFFFFFFFF)))
+        b_lo, b_hi = _halves(b)
+        total += a_lo * b_lo + a_hi * b_hi
+    want = (E2M1[codes] * x).sum(1)
+    assert np.array_equal(total * 2.0 ** 14, want)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("nt,bf16,tiled", [(1, 1, 0), (2, 1, 1), (2, 0, 0), (1, 1, 1)])
+def test_compiles_for_sm90_without_spills(tmp_path, nt, bf16, tiled):
+    res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
+                          f"-DNT={nt}", f"-DRW={cuda_mma.ROW_TILES}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}",
+                          "-o", str(tmp_path / "k.cubin"), str(cuda_mma._SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "0 bytes spill stores" in res.stderr, res.stderr
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    assert regs <= 168, f"{regs} registers: fewer than 3 CTAs of {cuda_mma.ROW_TILES} warps per SM"
+
+
+def test_config_depends_on_the_weight_shape_only():
+    for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152)]:
+        cfg = cuda_mma.config(n, k)
+        assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
+        assert cfg["CPS"] <= 16 and cuda_mma._smem_bytes(2, cfg["CPS"]) <= 64 * 1024
+
+
+def test_tiled_order_is_what_the_kernel_indexes():
+    """tile_weight puts row n0 + g + 8 * half, chunk c, thread t's 16 code bytes (2 scale bytes) at the
+    kernel's w_index, and untile_weight inverts it."""
+    import torch
+    from nvfp4_sampler.kernels import reference
+    n, k = 48, 384
+    w = reference.quantize_weight(torch.randn(n, k, dtype=torch.bfloat16))
+    tw = cuda_mma.tile_weight(w)
+    assert tw.codes.shape == w.codes.shape and tw.block_scales.shape == w.block_scales.shape
+    codes, scales = tw.codes.reshape(-1, 16), tw.block_scales.view(torch.uint8).reshape(-1, 2)
+    wsc = w.block_scales.view(torch.uint8)
+    for n0 in range(0, n, 16):
+        for c in range(k // 128):
+            for half in (0, 1):
+                for g in range(8):
+                    for t in range(4):
+                        i = ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t    # w_index, TILED
+                        row = n0 + g + 8 * half
+                        assert torch.equal(codes[i], w.codes[row, c * 64 + t * 16: c * 64 + t * 16 + 16])
+                        assert torch.equal(scales[i], wsc[row, c * 8 + t * 2: c * 8 + t * 2 + 2])
+    back = cuda_mma.untile_weight(tw)
+    assert torch.equal(back.codes, w.codes) and torch.equal(back.block_scales.view(torch.uint8), wsc)
+    assert "((((size_t)(n0 >> 4) * (K >> 7) + c) * 2 + half) * 8 + g) * 4 + t" in SOURCE

@@ -1,0 +1,114 @@
+"""The small-M tensor-core kernel (`kernels.cuda_mma`) against the spec, on the H200 (skipped without CUDA).
+
+Compared with `reference.nvfp4_gemm` in FP32 on the same quantized operands (the activation quantized by
+the reference on the CPU): every output within the FP32 reordering bound K * 2^-23 * (|a| @ |w|^T)
+plus one rounding to the output dtype. Bitwise: two runs agree, and a token's row is the same alone,
+in a batch of 16 and in a batch of 40 (batch invariance, what strict mode builds on).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_sampler.kernels import reference
+from nvfp4_sampler.kernels.format import NVFP4Tensor
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def mods():
+    from nvfp4_sampler.kernels import cuda_mma, triton_gemm, triton_quant
+    ok, reason = cuda_mma.supported(torch.device("cuda"))
+    assert ok, reason
+    return cuda_mma, triton_gemm, triton_quant
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.exp2(torch.randint(-8, 8, (m, 1), device="cuda",
+                                                                               generator=g).float())
+    x[:, :16] = 0.0
+    if k >= 256:
+        x[0, 128:144] = 1e-3          # a block far below the row's amax: small e4m3 scales
+    return x.to(torch.bfloat16)
+
+
+def _w(n: int, k: int, seed: int, per_row: bool) -> NVFP4Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    w[:, 16:32] *= 1e-4               # subnormal-range block scales
+    w = reference.quantize_weight(w.to(torch.bfloat16))
+    if per_row:
+        w = w.replace(global_scale=w.global_scale * (0.5 + torch.rand(n, device="cuda", generator=g)))
+    return w
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None) -> None:
+    a = reference.quantize_per_token(x.cpu()).to("cuda")
+    b32 = None if bias is None else bias.float()
+    want = reference.nvfp4_gemm(a, w, bias=b32, out_dtype=torch.float32)
+    mag = reference.dequantize(a).abs() @ reference.dequantize(w).abs().T
+    bound = x.shape[1] * 2.0 ** -23 * mag + 2.0 ** -22 * want.abs() + 1e-37
+    half_ulp = 2.0 ** -8 if got.dtype == torch.bfloat16 else 2.0 ** -11
+    err = (got.float() - want).abs()
+    limit = bound + half_ulp * (want.abs() + bound)
+    assert bool((err <= limit).all()), f"max error/limit {(err / limit).max().item():.3g}"
+    # most outputs are the correctly rounded reference value
+    assert (got == want.to(got.dtype)).float().mean().item() > 0.98
+
+
+@pytest.mark.parametrize("n,k", [(16, 128), (48, 384), (640, 2048), (96, 1152), (4096, 4096), (256, 12288)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 40])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_mma_matches_reference(mods, m, n, k, tiled):
+    cuda_mma, _, tq = mods
+    x = _x(m, k, seed=m * 7 + n + k)
+    w = _w(n, k, seed=n + k, per_row=m % 2 == 1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if m != 8 else None
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    wk = cuda_mma.tile_weight(w) if tiled else w
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cuda_mma.launch(a.values, a.global_scale, wk, out, bias=bias, tiled=tiled)
+    _check(out, x, w, bias)
+    again = torch.full_like(out, float("nan"))
+    cuda_mma.launch(a.values, a.global_scale, wk, again, bias=bias, tiled=tiled)   # tickets were left at zero
+    assert torch.equal(out, again), "not deterministic"
+    if tiled:
+        plain = torch.empty_like(out)
+        cuda_mma.launch(a.values, a.global_scale, w, plain, bias=bias)
+        assert torch.equal(out, plain), "the tiled layout changed the result"
+
+
+def test_mma_fp16_output(mods):
+    cuda_mma, _, tq = mods
+    x = _x(5, 1024, seed=1).to(torch.float16)
+    w = _w(128, 1024, seed=2, per_row=True)
+    bias = torch.randn(128, device="cuda", dtype=torch.float16)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    out = torch.empty(5, 128, device="cuda", dtype=torch.float16)
+    cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias)
+    _check(out, x, w, bias)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288)])
+def test_mma_is_batch_invariant(mods, n, k):
+    """Row r of a batch equals the same row computed alone, bitwise, whatever the batch size."""
+    _, tg, _ = mods
+    x = _x(40, k, seed=3)
+    w = _w(n, k, seed=4, per_row=True)
+    alone = torch.cat([tg.linear(x[i:i + 1], w, path="mma") for i in range(40)])
+    for m in (2, 7, 16, 40):
+        assert torch.equal(tg.linear(x[:m], w, path="mma"), alone[:m]), f"batch {m}"
+    assert torch.equal(tg.linear(x[5:21], w, path="mma"), alone[5:21]), "other companions"
+
+
+def test_linear_takes_mma_for_decode(mods):
+    _, tg, _ = mods
+    w = _w(256, 512, seed=5, per_row=False)
+    assert [tg.linear_path(m, "per_token", w) for m in (1, 16, 17)] == ["mma", "mma", "packed"]
+    assert tg.linear_path(1, "per_tensor", w) == "gemv"
+    assert tg.linear_path(1, "per_token", _w(24, 512, seed=6, per_row=False)) == "gemv"    # N % 16 != 0
+    x = _x(4, 512, seed=6)
+    torch.testing.assert_close(tg.linear(x, w).float(), reference.linear(x.cpu(), w.to("cpu")).float().cuda(),
+                               rtol=2 ** -7, atol=1e-3)
