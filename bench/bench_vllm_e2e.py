@@ -4,7 +4,10 @@ For each model shape (random BF16 checkpoints built on the GPU, `testing/checkpo
 engines, one per process: BF16 and `quantization="nvfp4_sampler"` (online quantization of the same
 checkpoint). Each measures, per batch size B, decode tokens/s = B * (N - 1) / (t(N) - t(1)) where t(n)
 is the wall time of `generate` for B prompts of PROMPT_LEN tokens and n new tokens (greedy, ignore_eos):
-subtracting the one-token run removes prefill and scheduling start-up. Layer counts are cut (shown in the
+subtracting the one-token run removes prefill and scheduling start-up; the median of REPEATS pairs is
+reported with its range. Then a per-step breakdown at batch 16 from the torch profiler (the engine core
+runs in the worker process for it): GPU time by kernel category (ours, attention, BF16 GEMMs, norms and
+other compiled elementwise kernels, sampling) and the wall time, whose difference is GPU idle time. Layer counts are cut (shown in the
 table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
 layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
 
@@ -36,16 +39,35 @@ MODES = {"eager": dict(enforce_eager=True),
          "compiled": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE})}
 
 
+# Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels)
+CATEGORIES = (("nvfp4 linear", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue", "_dequant_bf16")),
+              ("nvfp4 activation quantization", ("_act_quant",)),
+              ("nvfp4 moe", ("_moe", "_route")),
+              ("attention", ("attention", "attn", "flash", "fmha", "paged", "reshape_and_cache")),
+              ("bf16 gemm (cuBLAS / lm_head / router)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")),
+              ("sampling, top-k, softmax", ("sampl", "topk", "softmax", "argmax", "sort", "cumsum", "gumbel")),
+              ("norms, rotary, activations, elementwise (compiled)", ("triton", "rms", "norm", "rotary", "silu",
+                                                                      "elementwise", "vectorized", "act_and_mul")))
+REPEATS = 5
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k.lower() in low for k in keys)), "other")
+
+
 def worker(model: str, quant: str, mode: str, out: str) -> None:
-    """One engine: decode tokens/s per batch size, written to `out` as JSON."""
+    """One engine: decode tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time
+    breakdown by kernel category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process: the profiler sees it
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
     llm = LLM(model, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 16, max_num_seqs=max(BATCHES), gpu_memory_utilization=0.6,
               attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0, **MODES[mode])
-    result = {"start_seconds": round(time.time() - t0, 1), "tokens_per_s": {}}
+    result = {"start_seconds": round(time.time() - t0, 1), "tokens_per_s": {}, "spread": {}}
 
     def run(b: int, n: int) -> float:
         prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 30000 + 10 for j in range(PROMPT_LEN)]} for i in range(b)]
@@ -55,10 +77,37 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
 
     for b in BATCHES:
         run(b, 8)                                                   # warm-up (JIT, allocator)
-        t1, tn = min(run(b, 1) for _ in range(2)), min(run(b, NEW_TOKENS) for _ in range(2))
-        result["tokens_per_s"][b] = b * (NEW_TOKENS - 1) / (tn - t1)
+        rates = sorted(b * (NEW_TOKENS - 1) / (run(b, NEW_TOKENS) - run(b, 1)) for _ in range(REPEATS))
+        result["tokens_per_s"][b] = rates[REPEATS // 2]
+        result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
+    result["profile"] = profile_decode(run, 16)
+    Path(out).write_text(json.dumps(result))
     print(f"{quant} {Path(model).name}: {result}", flush=True)
+
+
+def profile_decode(run, b: int, steps: int = 32) -> dict:
+    """Per decode step at batch b: GPU microseconds by kernel category and the wall time (their
+    difference is host time the GPU waited for), from profiled runs of steps + 1 and 1 new tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def profiled(n: int) -> tuple[dict, float]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = run(b, n)
+        cats: dict = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", 0.0) or 0.0
+            if us and e.device_type.name == "CUDA":
+                cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + us
+        top = sorted(((getattr(e, "device_time_total", 0.0) or 0.0, e.key) for e in prof.key_averages()), reverse=True)
+        return cats, wall, [(round(us, 1), key[:80]) for us, key in top[:12]]
+
+    long, wall_long, top = profiled(steps + 1)
+    short, wall_short, _ = profiled(1)
+    per_step = {c: (long.get(c, 0.0) - short.get(c, 0.0)) / steps for c in set(long) | set(short)}
+    wall = (wall_long - wall_short) / steps * 1e6
+    return {"batch": b, "wall_us_per_step": wall, "gpu_us_per_step": per_step,
+            "gpu_total_us_per_step": sum(per_step.values()), "top_kernels_long_run": top}
 
 
 def main() -> None:
@@ -91,13 +140,23 @@ def main() -> None:
             entry[quant] = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-3000:]}
             Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    print("| model (layers) | batch | BF16 tok/s | nvfp4_sampler tok/s | ratio |\n|---|---|---|---|---|")
+    print(f"| model (layers) | batch | BF16 tok/s | nvfp4_sampler tok/s | ratio | spread of {REPEATS} (BF16 / nvfp4) |\n"
+          "|---|---|---|---|---|---|")
     for shape, entry in results["models"].items():
         for b in BATCHES:
             bf, nv = (entry[q].get("tokens_per_s", {}).get(str(b), entry[q].get("tokens_per_s", {}).get(b))
                       for q in ("bf16", "nvfp4_sampler"))
             ratio = f"{nv / bf:.2f}x" if bf and nv else "n/a"
-            print(f"| {shape} ({entry['layers']}) | {b} | {bf or 0:.0f} | {nv or 0:.0f} | {ratio} |")
+            spread = " / ".join("{:.0f}-{:.0f}".format(*entry[q].get("spread", {}).get(str(b), (0, 0)))
+                                for q in ("bf16", "nvfp4_sampler"))
+            print(f"| {shape} ({entry['layers']}) | {b} | {bf or 0:.0f} | {nv or 0:.0f} | {ratio} | {spread} |")
+        print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category (BF16 / nvfp4_sampler)")
+        prof = {q: entry[q].get("profile", {}) for q in ("bf16", "nvfp4_sampler")}
+        cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
+        for c in cats + ["GPU total", "wall"]:
+            vals = [p.get("gpu_us_per_step", {}).get(c) if c not in ("GPU total", "wall") else
+                    p.get("gpu_total_us_per_step" if c == "GPU total" else "wall_us_per_step") for p in prof.values()]
+            print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
         for q in ("bf16", "nvfp4_sampler"):
             if "error" in entry[q]:
                 print(f"{shape} {q} failed:\n{entry[q]['error']}")

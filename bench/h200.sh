@@ -42,6 +42,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_kernels) limit=250; cmd="python3 bench/bench_kernels.py --quick --no-sweep --json $OUT/bench_kernels.json" ;;
     bench_e2e) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
                               --out $OUT/bench_vllm_e2e.json" ;;
+    bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
     bench_sync) limit=220; cmd="python3 bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json" ;;

@@ -24,10 +24,12 @@ import torch
 from .format import NVFP4Tensor
 
 MMA_MAX_M = 16            # tokens per CTA tile; larger M loops over tiles (same per-token result)
+MMA_MIN_M = 2             # the default path's lower end: at M = 1 the Triton GEMV measured faster on the H200
 CHUNK = 128               # K elements per chunk (one 16-byte load per row and thread)
 ROW_TILES = 4             # 16-row warp tiles per CTA
+_MAX_CPS = 16             # the largest slice a launch may take (dynamic shared memory: 64 KiB at 16 tokens)
 _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
-_MIN_CTAS = 264           # two CTAs per SM of an H200 before the split-K slice is halved
+_MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -45,6 +47,24 @@ def supported(device: torch.device) -> tuple[bool, str]:
     return True, f"NVRTC, compute capability {cap[0]}.{cap[1]}"
 
 
+def prepare(device: torch.device) -> tuple[bool, str]:
+    """Load-time set-up on `device`: the probe, every kernel variant a forward may launch compiled and
+    loaded, the split-K tickets allocated, so that no forward (and no CUDA-graph capture) compiles or
+    allocates them. (ok, reason)."""
+    ok, reason = supported(device)
+    if not ok:
+        return ok, reason
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        for nt in (1, 2):
+            for out_bf16 in (True, False):
+                _kernel(nt, out_bf16, False, index)
+    except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
+        return False, f"NVRTC compilation failed: {e}"
+    _tickets(index)
+    return True, reason
+
+
 def shape_ok(n: int, k: int) -> bool:
     """The kernel's shape contract: N a multiple of 16, K of 128."""
     return n % 16 == 0 and k % CHUNK == 0 and k > 0
@@ -52,11 +72,12 @@ def shape_ok(n: int, k: int) -> bool:
 
 def config(n: int, k: int) -> dict:
     """Launch constants from the weight shape alone (never M: the reduction order must not depend
-    on the batch): CPS chunks of 128 per split-K slice (16, or 8 when that leaves fewer than
-    _MIN_CTAS CTAs), S slices, ROW_CTAS CTAs of ROW_TILES * 16 rows."""
+    on the batch): CPS chunks of 128 per split-K slice, S slices, ROW_CTAS CTAs of ROW_TILES * 16 rows.
+    CPS is 8 where that still gives _MIN_CTAS CTAs, else 4: on the H200 more, shorter slices ran
+    faster (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4)."""
     chunks = k // CHUNK
     row_ctas = -(-n // (16 * ROW_TILES))
-    cps = min(chunks, 16 if row_ctas * -(-chunks // 16) >= _MIN_CTAS else 8)
+    cps = min(chunks, 8 if row_ctas * -(-chunks // 8) >= _MIN_CTAS else 4)
     return dict(CPS=cps, S=-(-chunks // cps), ROW_CTAS=row_ctas)
 
 
@@ -115,7 +136,7 @@ def _kernel(nt: int, out_bf16: bool, tiled: bool, device_index: int):
         tmp.replace(path)
     with torch.cuda.device(device_index):
         kernel = _utils._cuda_load_module(ptx, ["w4a16_mma"])["w4a16_mma"]
-        kernel.set_shared_memory_config(_smem_bytes(nt, 16))
+        kernel.set_shared_memory_config(_smem_bytes(nt, _MAX_CPS))
     return kernel
 
 
@@ -156,7 +177,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
     tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
-    cps   override of `config`'s chunks per split (benchmarks; 1..16): changes the summation order
+    cps   override of `config`'s chunks per split (benchmarks; 1.._MAX_CPS): changes the summation order
     """
     m, k = x.shape
     n = w.shape[0]
@@ -173,8 +194,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         return out
     cfg = config(n, k)
     if cps is not None:
-        if not 1 <= cps <= 16:
-            raise ValueError(f"cps must be in [1, 16], got {cps}")
+        if not 1 <= cps <= _MAX_CPS:
+            raise ValueError(f"cps must be in [1, {_MAX_CPS}], got {cps}")
         cfg = dict(cfg, CPS=cps, S=-(-(k // CHUNK) // cps))
     nt = 1 if m <= 8 else 2
     m_tiles = -(-m // (8 * nt))

@@ -4,6 +4,7 @@ A backend is a class with
   is_supported(device) -> (ok, reason)       can it run on this device at all (libraries, hardware)
   can_implement(req) -> (ok, reason)         can it compute this layer (`Requirements`: op, scaling,
                                              activation amax override, shape)
+  prepare(device)                            load-time set-up once chosen (compiled kernels, buffers)
 and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`), each taking the
 quantizer's `op_order` ("vllm", the spec, or "te": `kernels.reference`). `choose_backend` runs once
 per layer when an engine creates or loads its weights: it walks PRIORITY (or honours a forced name)
@@ -66,6 +67,10 @@ class ReferenceBackend:
     @staticmethod
     def is_supported(device: torch.device) -> tuple[bool, str]:
         return True, "plain torch runs on every device"
+
+    @staticmethod
+    def prepare(device: torch.device) -> None:
+        """Load-time set-up of the chosen backend on `device` (nothing to do for the reference)."""
 
     @staticmethod
     def can_implement(req: Requirements) -> tuple[bool, str]:
@@ -138,6 +143,13 @@ class TritonHopperBackend:
         return (ok, reason) if not ok else (True, "the Triton kernels implement every op (amax override included)")
 
     @staticmethod
+    def prepare(device: torch.device) -> None:
+        """Compile and load the CUDA decode kernels (`cuda_mma.prepare`) once per device, so forwards and
+        CUDA-graph captures never compile; without them the decode path falls back to the Triton GEMV."""
+        from . import triton_gemm
+        triton_gemm._mma_supported(device)
+
+    @staticmethod
     def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None,
                         op_order: str = "vllm") -> NVFP4Tensor:
         from . import triton_quant
@@ -185,6 +197,7 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
         if ok:
             ok, reason = BACKENDS[name].can_implement(req)
         if ok:
+            BACKENDS[name].prepare(device)
             return BACKENDS[name]
         reasons.append(f"{name}: {reason}")
     what = f"backend {backend!r} cannot run" if backend != "auto" else "no NVFP4 backend can run"

@@ -7,9 +7,9 @@ the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `r
 only by the order of the FP32 additions.
 
 Four paths, chosen by `linear_path(m, ...)`:
-  "mma"     (M <= cuda_mma.MMA_MAX_M, per token, bf16/fp16)  `cuda_mma`: CUDA C++ on FP16 tensor cores
+  "mma"     (2 <= M <= 16, per token, bf16/fp16)  `cuda_mma`: CUDA C++ on FP16 tensor cores
             (mma.sync) over the ModelOpt codes and exact FP16 activations; batch-invariant.
-  "gemv"    (M <= GEMV_MAX_M)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory and are read
+  "gemv"    (M = 1, or M <= GEMV_MAX_M without mma)  `_w4a4_gemv_kernel`: weights stay packed 4-bit in memory and are read
             as int64 blocks of 16 codes; shifts and masks turn codes into FP16 bit patterns and packed
             FP16 multiply-adds form exact block dot products (see `_DOT16`), scaled and summed in
             FP32: no shared memory, no barrier in the K loop.
@@ -43,8 +43,9 @@ _MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.lru_cache(maxsize=None)
 def _mma_supported(device: torch.device) -> bool:
-    """cuda_mma can run on this device (probed once per device)."""
-    return cuda_mma.supported(device)[0]
+    """cuda_mma can run on this device: probed and prepared once per device (`cuda_mma.prepare`),
+    at load time through `dispatch.TritonHopperBackend.prepare`."""
+    return cuda_mma.prepare(device)[0]
 
 # fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 (low bytes are zero)
 _DECODE_LO = tl.constexpr("""{
@@ -746,9 +747,11 @@ def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, ou
 
 
 def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Which GEMM path a linear with m rows of `dtype` and weight w takes: "mma" (per token, w on a
-    device where `cuda_mma` runs and of its shape contract, bf16/fp16), "gemv", "packed" or "bf16"."""
-    if (m <= cuda_mma.MMA_MAX_M and scaling == "per_token" and w is not None and dtype in _MMA_DTYPES
+    """Which GEMM path a linear with m rows of `dtype` and weight w takes: "mma" (MMA_MIN_M <= m <=
+    MMA_MAX_M, per token, w on a device where `cuda_mma` runs and of its shape contract, bf16/fp16),
+    "gemv", "packed" or "bf16"."""
+    if (cuda_mma.MMA_MIN_M <= m <= cuda_mma.MMA_MAX_M and scaling == "per_token" and w is not None
+            and dtype in _MMA_DTYPES
             and w.codes.dim() == 2 and cuda_mma.shape_ok(*w.shape) and _mma_supported(w.codes.device)):
         return "mma"
     if m <= GEMV_MAX_M:

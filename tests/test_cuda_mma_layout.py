@@ -94,7 +94,7 @@ def test_config_depends_on_the_weight_shape_only():
     for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152)]:
         cfg = cuda_mma.config(n, k)
         assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
-        assert cfg["CPS"] <= 16 and cuda_mma._smem_bytes(2, cfg["CPS"]) <= 64 * 1024
+        assert cfg["CPS"] <= cuda_mma._MAX_CPS and cuda_mma._smem_bytes(2, cfg["CPS"]) <= 64 * 1024
 
 
 def test_tiled_order_is_what_the_kernel_indexes():

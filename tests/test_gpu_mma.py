@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def mods():
     from nvfp4_sampler.kernels import cuda_mma, triton_gemm, triton_quant
-    ok, reason = cuda_mma.supported(torch.device("cuda"))
+    ok, reason = cuda_mma.prepare(torch.device("cuda"))
     assert ok, reason
     return cuda_mma, triton_gemm, triton_quant
 
@@ -106,9 +106,9 @@ def test_mma_is_batch_invariant(mods, n, k):
 def test_linear_takes_mma_for_decode(mods):
     _, tg, _ = mods
     w = _w(256, 512, seed=5, per_row=False)
-    assert [tg.linear_path(m, "per_token", w) for m in (1, 16, 17)] == ["mma", "mma", "packed"]
+    assert [tg.linear_path(m, "per_token", w) for m in (1, 2, 16, 17)] == ["gemv", "mma", "mma", "packed"]
     assert tg.linear_path(1, "per_tensor", w) == "gemv"
-    assert tg.linear_path(1, "per_token", _w(24, 512, seed=6, per_row=False)) == "gemv"    # N % 16 != 0
+    assert tg.linear_path(3, "per_token", _w(24, 512, seed=6, per_row=False)) == "gemv"    # N % 16 != 0
     x = _x(4, 512, seed=6)
     torch.testing.assert_close(tg.linear(x, w).float(), reference.linear(x.cpu(), w.to("cpu")).float().cuda(),
                                rtol=2 ** -7, atol=1e-3)
