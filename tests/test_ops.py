@@ -296,11 +296,11 @@ def test_vllm_adapter_fails_at_create_weights_naming_the_layer():
     from nvfp4_sampler.sampler_plugin.vllm.linear import NVFP4LinearMethod
 
     method = NVFP4LinearMethod(SamplerConfig(backend="triton_hopper"), "model.layers.0.mlp.gate_up_proj",
-                               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], lambda w: None)
+                               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], layers.MemoryReport())
     layer = torch.nn.Module()
     with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.gate_up_proj: backend 'triton_hopper' cannot run"):
         method.create_weights(layer, 64, [32, 32], 64, 64, torch.bfloat16)
     method = NVFP4LinearMethod(SamplerConfig(), "model.layers.0.mlp.gate_up_proj",
-                               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], lambda w: None)
+                               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], layers.MemoryReport())
     method.create_weights(layer, 64, [32, 32], 64, 64, torch.bfloat16)
     assert layer.nvfp4_backend == "reference" and layer.nvfp4_tp_group is None

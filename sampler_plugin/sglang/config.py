@@ -9,9 +9,9 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from .. import layers
-from ..config import EngineConfigBasics, SamplerConfig
-from ..policy import quantized_linear_shards, should_quantize
+from ..config import SamplerConfig
+from ..core import ConfigCore
+from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
@@ -19,14 +19,12 @@ from .moe import NVFP4MoEMethod
 DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
+class NVFP4SamplerConfig(ConfigCore, QuantizationConfig):
     """`--quantization nvfp4_sampler`, or `quantization_config.quant_method: nvfp4_sampler` in config.json."""
 
     def __init__(self, sampler: SamplerConfig | None = None, packed_modules_mapping: dict | None = None):
-        super().__init__()
-        self.sampler = sampler or SamplerConfig()
+        super().__init__(sampler)
         self.packed_modules_mapping = {**DEFAULT_PACKED_MODULES, **(packed_modules_mapping or {})}
-        self.memory = layers.MemoryReport()      # logged once every quantized layer is loaded
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
@@ -41,10 +39,7 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
-            names = quantized_linear_shards(prefix, self.packed_modules_mapping, self.sampler)
-            if names is None:
-                return UnquantizedLinearMethod()
-            return NVFP4LinearMethod(self.sampler, prefix, names, self.memory)
+            return self.linear_method(NVFP4LinearMethod, prefix) or UnquantizedLinearMethod()
         if isinstance(layer, FusedMoE) and should_quantize(prefix, self.sampler):
             return NVFP4MoEMethod(self.sampler, prefix, self.memory)
         return None       # embeddings, lm_head, BF16 experts: SGLang's unquantized methods

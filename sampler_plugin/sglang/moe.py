@@ -1,11 +1,8 @@
-"""SGLang fused-MoE method of nvfp4_sampler: NVFP4 experts, routing left to the model.
+"""SGLang's FusedMoEMethodBase over the layer core (`core.ExpertsCore`: parameters, loaders, post-load).
 
-SGLang's TopK computes topk_weights / topk_ids exactly as the model defines them (softmax, top-k,
-renormalisation) and hands them over in the dispatch output; `apply` runs the experts through
-`torch.ops.nvfp4_sampler.moe` and returns a StandardCombineInput. Parameters (checkpoint layout):
-  w13_weight [E, 2I, H/2] uint8, w13_weight_scale [E, 2I, H/16] e4m3, w13_weight_scale_2 [E, 2I] fp32
-     (gate rows then up rows; each expert's gate_proj and up_proj keep their own decode scale)
-  w2_weight  [E, H, I/2] uint8,  w2_weight_scale  [E, H, I/16] e4m3,  w2_weight_scale_2  [E] fp32
+No SGLang MoE runner: SGLang's TopK routes as the model defines it, `apply` takes the dispatch output
+(hidden states, topk weights and ids) and returns a StandardCombineInput. Options the experts do not
+compute (parallelism, biases, non-SwiGLU activations, shared experts, ...) are refused at start-up.
 """
 from __future__ import annotations
 
@@ -13,20 +10,11 @@ import torch
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from nvfp4_sampler.kernels import NVFP4Tensor
-
-from .. import layers
-from ..config import SamplerConfig
-from .linear import ShardLoader, UpdateTracking
+from ..core import ExpertsCore
 
 
-class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
+class NVFP4MoEMethod(ExpertsCore, FusedMoEMethodBase):
     """W4A4 SwiGLU experts of the SGLang FusedMoE layer `prefix` ("...mlp.experts", the checkpoint prefix)."""
-
-    def __init__(self, config: SamplerConfig, prefix: str, memory: layers.MemoryReport):
-        self.config = config
-        self.prefix = prefix
-        self.memory = memory
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -35,33 +23,7 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
                                       f"by the SGLang adapter yet (moe tp_size and ep_size must be 1)")
         if extra_weight_attrs.get("with_bias"):
             raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: MoE experts with biases are not supported")
-        inter = intermediate_size_per_partition
-        w13 = layers.create_weight(2 * inter, hidden_size, experts=num_experts, name=f"{self.prefix}.*.gate_proj/up_proj")
-        w2 = layers.create_weight(hidden_size, inter, experts=num_experts, global_per_row=False,
-                                  name=f"{self.prefix}.*.down_proj")
-        loader = self._loader(layer)
-        for stem, w in (("w13", w13), ("w2", w2)):
-            layers.register_weight(layer, w, loader, stem=f"{stem}_")
-        layer.nvfp4_shards = [layers.expert_shards(self.prefix, e, hidden=hidden_size, inter=inter)
-                              for e in range(num_experts)]
-        layer.nvfp4_tracker = layers.LoadTracker(s for e in layer.nvfp4_shards for s in e.values())
-        layer.nvfp4_loaded = False
-        layer.nvfp4_backend = layers.choose_backend(self.config, op="moe", name=self.prefix, device=w13.codes.device,
-                                                    k=hidden_size)
-        self.memory.add_layer()
-
-    def _loader(self, layer: torch.nn.Module) -> ShardLoader:
-        def locate(weight_name: str, shard_id: str, expert_id: int) -> tuple[NVFP4Tensor, layers.Shard]:
-            storage = self.storage(layer)["w2" if shard_id == "w2" else "w13"]
-            return storage, layer.nvfp4_shards[expert_id][shard_id]
-        return ShardLoader(layer, self.config, locate)
-
-    @staticmethod
-    def storage(layer: torch.nn.Module) -> dict[str, NVFP4Tensor]:
-        return {stem: layers.module_weight(layer, stem=f"{stem}_") for stem in ("w13", "w2")}
-
-    def quantized_weights(self, layer: torch.nn.Module) -> list[NVFP4Tensor]:
-        return list(self.storage(layer).values())
+        self.create_experts(layer, num_experts=num_experts, hidden=hidden_size, inter=intermediate_size_per_partition)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         """No SGLang runner: `apply` calls the kernels directly. Refuses what kernels.moe does not compute."""
@@ -82,8 +44,5 @@ class NVFP4MoEMethod(UpdateTracking, FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, dispatch_output) -> StandardCombineInput:
         topk = dispatch_output.topk_output
-        w13 = NVFP4Tensor(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
-        w2 = NVFP4Tensor(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
-        out = layers.apply_moe(dispatch_output.hidden_states, w13, w2, topk.topk_weights, topk.topk_ids,
-                               config=self.config, backend=layer.nvfp4_backend)
+        out = self.forward_experts(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids)
         return StandardCombineInput(hidden_states=out)

@@ -21,7 +21,7 @@ import torch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from .. import layers
-from .linear import UpdateTracking
+from ..core import is_nvfp4, shard_of
 
 logger = logging.getLogger("nvfp4_sampler")
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
@@ -83,7 +83,7 @@ class _DryRun:
             self.reached.add(self.current)
             kind = getattr(p, "nvfp4_kind", None)
             if kind is not None:
-                shard = loader.locate(*args, **kwargs)[1]
+                shard = shard_of(loader, *args, **kwargs)
                 layers.validate(shard, kind, tensor)
                 self.groups.setdefault(shard.name, {})[kind] = tensor
                 return
@@ -159,7 +159,7 @@ def atomic_update(original, updater, *args, **kwargs):
     way, and the model_path it had already switched to is put back.)
     """
     model = updater.get_model()
-    if not any(isinstance(getattr(m, "quant_method", None), UpdateTracking) for m in model.modules()):
+    if not any(is_nvfp4(m) for m in model.modules()):
         return original(updater, *args, **kwargs)
     model_path = updater.model_config.model_path
     with checked_loads(model):

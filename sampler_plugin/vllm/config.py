@@ -12,23 +12,16 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 
-from nvfp4_sampler.kernels import NVFP4Tensor
-
-from .. import layers
-from ..config import METHOD_NAME, EngineConfigBasics, SamplerConfig
-from ..policy import quantized_linear_shards, should_quantize
+from ..config import METHOD_NAME, SamplerConfig
+from ..core import ConfigCore
+from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 
 
 @register_quantization_config(METHOD_NAME)
-class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
+class NVFP4SamplerConfig(ConfigCore, QuantizationConfig):
     """`--quantization nvfp4_sampler`, or `quantization_config.quant_method: nvfp4_sampler` in config.json."""
-
-    def __init__(self, sampler: SamplerConfig | None = None):
-        super().__init__()
-        self.sampler = sampler or SamplerConfig()
-        self.memory = layers.MemoryReport()
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
@@ -36,26 +29,19 @@ class NVFP4SamplerConfig(EngineConfigBasics, QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
-            names = quantized_linear_shards(prefix, self.packed_modules_mapping, self.sampler)
-            if names is None:
+            method = self.linear_method(NVFP4LinearMethod, prefix)
+            if method is None:
                 layer._cpu_skip_gemm_dispatch = True    # keep a plain, reloadable BF16 weight on CPU
                 return UnquantizedLinearMethod()
-            self.memory.add_layer()
-            return NVFP4LinearMethod(self.sampler, prefix, names, self._on_processed)
+            return method
         if isinstance(layer, RoutedExperts):
             ckpt_prefix = prefix.removesuffix(".routed_experts")
             if not should_quantize(ckpt_prefix, self.sampler):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            self.memory.add_layer()
-            return NVFP4MoEMethod(self.sampler, layer.moe_config, ckpt_prefix, self._on_processed)
+            return NVFP4MoEMethod(self.sampler, layer.moe_config, ckpt_prefix, self.memory)
         if isinstance(layer, VocabParallelEmbedding):
             return LiveEmbeddingMethod()
         return None
-
-    def _on_processed(self, weights: tuple[NVFP4Tensor, ...]) -> None:
-        for w in weights:
-            self.memory.processed_weight(w)
-        self.memory.processed_layer()
 
 
 class LiveEmbeddingMethod(UnquantizedEmbeddingMethod):
