@@ -30,8 +30,25 @@ $(SGLANG_STAMP): pyproject.toml tests/sglang-requirements.txt
 
 venv-sglang: $(SGLANG_STAMP)
 
+# On a machine with an NVIDIA GPU the demo runs on it, in a venv of its own with PyPI's CUDA vLLM (and the
+# torch it pins); elsewhere on the CPU venv above. The demo prints which device and engine it used.
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q -e '.[vllm,server,models]'
+	touch $(GPU_STAMP)
+
+ifeq ($(GPU),1)
+demo: $(GPU_STAMP)
+	$(GPU_VENV)/bin/nvfp4-sampler demo
+else
 demo: $(STAMP)
 	$(BIN)/nvfp4-sampler demo
+endif
 
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q -m "not gpu" tests
@@ -42,4 +59,4 @@ test-gpu:
 	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) $(GPU_VENV) build *.egg-info

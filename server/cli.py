@@ -134,8 +134,8 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=_demo)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` (default sys.argv[1:]) and run the chosen subcommand."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `nvfp4-sampler` parser with every subcommand (the README's commands are checked against it)."""
     from nvfp4_sampler.converters import cli as convert_cli
     from nvfp4_sampler.diagnostics import cli as diagnose_cli
 
@@ -144,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     convert_cli.add_parser(sub)
     diagnose_cli.add_parser(sub)
     add_parsers(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default sys.argv[1:]) and run the chosen subcommand."""
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

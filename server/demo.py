@@ -81,6 +81,13 @@ def _line(label: str, m: dict[str, float], t: dict[str, float]) -> str:
             f"chi2 {m['chi2']:+.2e}  tail {t['tail_depth_max']:.4f}   <- {LAYER_NOTES[label]}")
 
 
+def _device() -> str:
+    """Where the engine computes: the CUDA device vLLM will use, or the CPU."""
+    if torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return "the CPU"
+
+
 def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = None) -> int:
     import openai
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +114,8 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
     t = time.perf_counter()
     with sidecar(sampler_dir, engine=engine, port=port, log=work / "sidecar.log", extra=extra) as srv:
         timings[f"start the {engine} engine + sidecar"] = time.perf_counter() - t
-        print(f"[2] serving {sampler_dir.name} with the {engine} engine at {srv.url} (log: {work / 'sidecar.log'})")
+        print(f"[2] serving {sampler_dir.name} with the {engine} engine on {_device()} at {srv.url} "
+              f"(log: {work / 'sidecar.log'})")
         client = SamplerClient(srv.url)
         oa = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
         model_id = oa.models.list().data[0].id
