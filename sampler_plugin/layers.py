@@ -360,14 +360,22 @@ def check_group(prefix: str, group: Mapping[str, torch.Tensor]) -> None:
                          f"weight (quantized on arrival) or all of {list(KINDS)}; got {sorted(group)}")
 
 
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or Inf (True for integer tensors; float8 is widened first)."""
+    if not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor).all())
+
+
 def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
                  config: SamplerConfig) -> list[str]:
-    """Write checkpoint-named `tensors` into a running model, all-or-nothing.
+    """Write checkpoint-named `tensors` into a running model, all-or-nothing (the update rule,
+    docs/ARCHITECTURE.md "Weight updates: one rule").
 
     targets: checkpoint module prefix (NVFP4 shards) or full tensor name (plain tensors) -> Target.
-    An NVFP4 shard takes a float `P.weight` (quantized here) or the full triplet. Every name, dtype
-    and shape is validated before anything is written; ValueError names the first bad tensor.
-    Returns the names written.
+    An NVFP4 shard takes a float `P.weight` (quantized here) or the full triplet. Every name, dtype,
+    shape and value (no NaN/Inf in a float tensor) is checked before anything is written;
+    ValueError names the first bad tensor. Returns the names written.
     """
     plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -378,13 +386,17 @@ def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tens
             if tuple(tensor.shape) != tuple(target.param.shape) or not tensor.dtype.is_floating_point:
                 raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} dtype {tensor.dtype} does not "
                                  f"match the model's {tuple(target.param.shape)} {target.param.dtype}")
+            if not is_finite(tensor):
+                raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
             plain.append((target.param, tensor))
             continue
         prefix, kind = split_name(name)
         target = targets.get(prefix)
         if target is None or target.shard is None:
             raise ValueError(f"nvfp4_sampler: {name}: no such tensor in the model")
-        validate(target.shard, kind, tensor)
+        validate(target.shard, kind, tensor)                  # a float weight: NaN/Inf checked there
+        if kind != "weight" and not is_finite(tensor):
+            raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
         groups.setdefault(prefix, {})[kind] = tensor
     for prefix, group in groups.items():
         check_group(prefix, group)

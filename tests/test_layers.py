@@ -124,6 +124,14 @@ def test_apply_update_is_all_or_nothing():
     with pytest.raises(ValueError, match=r"m\.c_proj\.weight: no such tensor"):
         layers.apply_update(targets, {"m.c_proj.weight": torch.zeros(4, 16)}, config=CFG)
     q = reference.quantize_weight(torch.randn(16, 64))
+    nan_scales = q.block_scales.clone()
+    nan_scales[0, 0] = float("nan")
+    for name, bad_tensor in (("m.norm.weight", torch.full((64,), float("inf"))), ("m.b_proj.weight_scale", nan_scales)):
+        update = {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
+                  "m.b_proj.weight_scale_2": q.global_scale, "m.norm.weight": 2 * norm, name: bad_tensor}
+        with pytest.raises(ValueError, match=rf"{name}: contains NaN or Inf"):      # the one rule: values too
+            layers.apply_update(targets, update, config=CFG)
+        assert torch.equal(norm, torch.ones(64)) and not torch.equal(layers.read(w, shards["b"])["weight"], q.codes)
     names = layers.apply_update(targets, {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
                                           "m.b_proj.weight_scale_2": q.global_scale, "m.norm.weight": 2 * norm},
                                 config=CFG)

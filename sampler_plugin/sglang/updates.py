@@ -47,11 +47,9 @@ def _scratch(param: torch.Tensor, loader) -> torch.Tensor:
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if tensor.is_floating_point():
-        values = tensor.float() if tensor.element_size() == 1 else tensor     # float8: no isfinite kernel
-        if not torch.isfinite(values).all():
-            raise UpdateRejected(f"nvfp4_sampler: weight update refused, no tensor written: {name}: "
-                                 f"contains NaN or Inf")
+    if not layers.is_finite(tensor):
+        raise UpdateRejected(f"nvfp4_sampler: weight update refused, no tensor written: {name}: "
+                             f"contains NaN or Inf")
 
 
 class _DryRun:
