@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from nvfp4_sampler.kernels import cuda_mma, reference, triton_gemm, triton_moe, triton_quant
+from nvfp4_sampler.kernels import cuda_mma, reference, triton_gemm, triton_gemv, triton_moe, triton_quant
 
 L2_ROTATE_BYTES = 256 << 20
 LINEAR_SHAPES = {          # name: (N, K)
@@ -183,7 +183,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
             mma = m <= cuda_mma.MMA_MAX_M and cuda_mma.shape_ok(n, k)
-            for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemm.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024)
+            for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024)
                          + ("bf16",)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
             if mma:                                       # the mma kernel alone, activation quantized beforehand
@@ -196,11 +196,11 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, tiled=True) for w in w_t]) / len(w_t)
                 del w_t
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
-            if m <= triton_gemm.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
+            if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 for fused in (True, False):
                     row[f"gemv_{'fused' if fused else 'unfused'}_ms"] = graph_ms(
-                        lambda: [triton_gemm.launch_w4a4_gemv(x, w, out, fused=fused) for w in w_q]) / len(w_q)
+                        lambda: [triton_gemv.launch_w4a4_gemv(x, w, out, fused=fused) for w in w_q]) / len(w_q)
             row["auto_path"] = triton_gemm.linear_path(m, "per_token", w_q[0])
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
@@ -221,12 +221,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["ref_ms"] = eager_ms(lambda: reference.linear(x, w_q[0]))
                 sweep = {}
                 for over in GEMV_SWEEP:
-                    cfg = triton_gemm.gemv_config(m, n, k, **over)
+                    cfg = triton_gemv.gemv_config(m, n, k, **over)
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
                     def run(cfg=cfg, out=out):
                         for w in w_q:
-                            triton_gemm.launch_w4a4_gemv(x, w, out, config=cfg)
+                            triton_gemv.launch_w4a4_gemv(x, w, out, config=cfg)
                     sweep[json.dumps(over)] = dict(cfg=cfg, ms=graph_ms(run) / len(w_q))
                 best = min(sweep.values(), key=lambda v: v["ms"])
                 row["sweep"] = sweep
@@ -269,7 +269,7 @@ def bench_moe(log, quick: bool) -> None:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
         ours = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
-        row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemm.PAIRED_MAX_PAIRS else "grouped")
+        row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemv.PAIRED_MAX_PAIRS else "grouped")
         if t <= 64:                               # both decode paths, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
         try:

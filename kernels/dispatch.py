@@ -118,9 +118,10 @@ def _poison(out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
 
 class TritonHopperBackend:
     """Triton kernels for CUDA GPUs of compute capability >= 9.0 (written and measured on Hopper):
-    fused per-token quantization, packed W4A4 GEMM for small M, exact-BF16 cuBLAS path for large M
-    (`kernels.triton_gemm.linear_path`), grouped MoE. Quantization is bit-identical to the
-    reference; GEMM and MoE differ only by FP32 summation order. No native FP4 tensor cores used."""
+    fused per-token quantization, the decode GEMV (`kernels.triton_gemv`), packed W4A4 GEMM for small
+    M, exact-BF16 cuBLAS path for large M (`kernels.triton_gemm.linear_path` picks), per-pair and
+    grouped MoE. Quantization is bit-identical to the reference; GEMM and MoE differ only by FP32
+    summation order. No native FP4 tensor cores used."""
 
     name = "triton_hopper"
 

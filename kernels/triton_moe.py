@@ -1,6 +1,6 @@
 """W4A4 SwiGLU MoE on CUDA GPUs (Triton), the numerics of `reference.moe`, with no host sync.
 
-Decode (T * k <= triton_gemm.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
+Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
 program row per (token, expert) pair, activations quantized inside the launches.
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_gemm, triton_quant
+from . import triton_gemm, triton_gemv, triton_quant
 from .format import NVFP4Tensor
 
 
@@ -68,7 +68,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     k = topk_ids.shape[1]
     p = t * k
-    if p <= triton_gemm.PAIRED_MAX_PAIRS:
+    if p <= triton_gemv.PAIRED_MAX_PAIRS:
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
     order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
@@ -98,8 +98,8 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order)
+    triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    triton_gemm.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
+    triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
                                   row_weight=topk_weights.reshape(-1).float(), op_order=op_order)
     return y.view(t, k, h).sum(1).to(x.dtype)

@@ -27,6 +27,13 @@ def tk():
     return triton_quant, triton_gemm, triton_moe
 
 
+@pytest.fixture(scope="module")
+def tv():
+    """The decode GEMV module (imported only on a GPU machine)."""
+    from nvfp4_sampler.kernels import triton_gemv
+    return triton_gemv
+
+
 def _activations(m: int, k: int, *, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     """Rows with magnitudes over many decades, a zero block, an all-zero row, ties and extremes."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -149,9 +156,8 @@ def test_packed_gemm_matches_reference(tk, m, n, k, split_k):
                                    (16, 4096, 12288)])
 @pytest.mark.parametrize("split_k", [1, 8])
 @pytest.mark.parametrize("fused", [True, False])
-def test_gemv_matches_reference(tk, m, n, k, split_k, fused):
+def test_gemv_matches_reference(tv, m, n, k, split_k, fused):
     """The decode kernel, activation quantized in the same launch (fused) or before it."""
-    _, tg, _ = tk
     x = _activations(m, k, seed=n + k + 1)
     a = reference.quantize_per_token(x)
     w = _weight(n, k, seed=m, per_row=split_k == 8)
@@ -159,14 +165,13 @@ def test_gemv_matches_reference(tk, m, n, k, split_k, fused):
     want = reference.nvfp4_gemm(a, w, bias=bias, out_dtype=torch.float32)
     for _ in range(2):                                    # the second run checks the counters were re-zeroed
         out = torch.full((m, n), float("nan"), device="cuda")
-        tg.launch_w4a4_gemv(x, w, out, bias=bias, fused=fused, config=dict(tg.gemv_config(m, n, k), SPLIT_K=split_k))
+        tv.launch_w4a4_gemv(x, w, out, bias=bias, fused=fused, config=dict(tv.gemv_config(m, n, k), SPLIT_K=split_k))
         _assert_fp32_reorder_close(out, a, w, want, bias)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("given_amax", [False, True])
-def test_gemv_per_tensor_matches_reference(tk, fused, given_amax):
-    _, tg, _ = tk
+def test_gemv_per_tensor_matches_reference(tv, fused, given_amax):
     m, n, k = 5, 1000, 4096
     x = _activations(m, k, seed=21)
     amax = x.abs().float().amax() * 1.5 if given_amax else None
@@ -175,11 +180,11 @@ def test_gemv_per_tensor_matches_reference(tk, fused, given_amax):
     bias = torch.zeros(n, device="cuda")
     want = reference.nvfp4_gemm(a, w, out_dtype=torch.float32)
     out = torch.empty((m, n), device="cuda")
-    tg.launch_w4a4_gemv(x, w, out, scaling="per_tensor", amax=amax, fused=fused)
+    tv.launch_w4a4_gemv(x, w, out, scaling="per_tensor", amax=amax, fused=fused)
     _assert_fp32_reorder_close(out, a, w, want, bias)
 
 
-def test_inline_ptx_equals_portable_arithmetic(tk):
+def test_inline_ptx_equals_portable_arithmetic(tk, tv):
     """The inline-PTX decode (packed kernel) and packed-FP16 block dots (gemv kernel) produce the
     same exact values as the portable Triton arithmetic (the path the CPU interpreter checks)."""
     tq, tg, _ = tk
@@ -195,16 +200,16 @@ def test_inline_ptx_equals_portable_arithmetic(tk):
     outs = []
     for use_asm in (True, False):
         out = torch.empty(3, 512, device="cuda")
-        tg.launch_w4a4_gemv(x, w, out, config=dict(tg.gemv_config(3, 512, 4096), SPLIT_K=1), use_asm=use_asm)
+        tv.launch_w4a4_gemv(x, w, out, config=dict(tv.gemv_config(3, 512, 4096), SPLIT_K=1), use_asm=use_asm)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), "gemv"
 
 
 @pytest.mark.parametrize("m", M_SIZES)
 @pytest.mark.parametrize("path", ["gemv", "packed", "bf16"])
-def test_linear_paths_match_reference(tk, m, path):
+def test_linear_paths_match_reference(tk, tv, m, path):
     tg = tk[1]
-    if path == "gemv" and m > tg.GEMV_KERNEL_MAX_M:
+    if path == "gemv" and m > tv.GEMV_KERNEL_MAX_M:
         pytest.skip("the decode kernel serves M <= GEMV_KERNEL_MAX_M")
     n, k = 640, 2048
     x = _activations(m, k, seed=m + 5)
@@ -269,7 +274,7 @@ def test_per_token_quantization_with_given_amax_is_bit_exact(tk, m):
 
 @pytest.mark.parametrize("m", (1, 16, 64, 384))
 @pytest.mark.parametrize("scaling", ["per_token", "per_tensor"])
-def test_linear_with_given_amax_matches_reference(tk, m, scaling):
+def test_linear_with_given_amax_matches_reference(tk, tv, m, scaling):
     tg = tk[1]
     n, k = 640, 2048
     x = _activations(m, k, seed=m + 17)
@@ -281,7 +286,7 @@ def test_linear_with_given_amax_matches_reference(tk, m, scaling):
         amax = x.abs().float().amax() * 2.5
     want = reference.linear(x, w, scaling=scaling, amax=amax).float()
     assert not torch.equal(want, reference.linear(x, w, scaling=scaling).float())   # the override matters
-    paths = [p for p in ("gemv", "packed", "bf16") if not (p == "gemv" and m > tg.GEMV_KERNEL_MAX_M)
+    paths = [p for p in ("gemv", "packed", "bf16") if not (p == "gemv" and m > tv.GEMV_KERNEL_MAX_M)
              and not (p == "bf16" and scaling == "per_tensor")]
     for path in paths:
         got = tg.linear(x, w, scaling=scaling, amax=amax, path=path).float()
@@ -341,7 +346,7 @@ def test_te_op_order_quantizers_are_bit_exact(tk, m, k):
 
 
 @pytest.mark.parametrize("m", (1, 4, 64, 384))
-def test_te_op_order_linear_and_moe_match_reference(tk, m):
+def test_te_op_order_linear_and_moe_match_reference(tk, tv, m):
     """Every linear path (gemv with the quantization fused, packed, bf16) and the MoE with
     op_order="te" against the reference in the same order (FP32 reordering bound for the linear)."""
     tg, tm = tk[1], tk[2]
@@ -353,7 +358,7 @@ def test_te_op_order_linear_and_moe_match_reference(tk, m):
     a = reference.quantize_per_token(x.cpu(), op_order="te")
     want = reference.nvfp4_gemm(a, w.to("cpu"), bias=bias.cpu(), out_dtype=torch.float32)
     for path in ("gemv", "packed", "bf16"):
-        if path == "gemv" and m > tg.GEMV_KERNEL_MAX_M:
+        if path == "gemv" and m > tv.GEMV_KERNEL_MAX_M:
             continue
         out = tg.linear(x.float(), w, bias=bias, op_order="te", path=path)
         _assert_fp32_reorder_close(out.cpu(), a, w.to("cpu"), want, bias.cpu().float())

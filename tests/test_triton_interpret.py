@@ -100,7 +100,7 @@ def check_quantizers(op_order: str) -> None:
 def check_gemv(op_order: str) -> None:
     """Decode kernel with the activation quantized in its launch (in `op_order`): per token / per
     tensor, with and without an amax override, split-K 1 and 4, deterministic run to run."""
-    from nvfp4_sampler.kernels import reference, triton_gemm
+    from nvfp4_sampler.kernels import reference, triton_gemv
     for m, n, k, split_k, scaling, amax_mul in [(1, 64, 256, 1, "per_token", None), (3, 100, 512, 4, "per_token", None),
                                                  (3, 100, 512, 2, "per_tensor", None), (2, 70, 1024, 4, "per_token", 2.5),
                                                  (4, 64, 48, 1, "per_tensor", 3.0)]:
@@ -110,11 +110,11 @@ def check_gemv(op_order: str) -> None:
             amax = (x.abs().float().amax(-1) if scaling == "per_token" else x.abs().float().amax()) * amax_mul
         a = reference.quantize_activations(x, scaling=scaling, amax=amax, op_order=op_order)
         want = reference.nvfp4_gemm(a, w, bias=bias, out_dtype=torch.float32)
-        cfg = dict(triton_gemm.gemv_config(m, n, k), SPLIT_K=split_k)
+        cfg = dict(triton_gemv.gemv_config(m, n, k), SPLIT_K=split_k)
         outs = []
         for _ in range(2):
             out = torch.full((m, n), float("nan"))
-            triton_gemm.launch_w4a4_gemv(x, w, out, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
+            triton_gemv.launch_w4a4_gemv(x, w, out, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
                                          fused=True, config=cfg)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), f"gemv not deterministic {m, n, k, split_k}"
@@ -144,7 +144,7 @@ def check_moe_pairs(op_order: str) -> None:
     """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
     split-K 1 and 2, tokens quantized in `op_order`: the SwiGLU rows within one BF16 ulp of the
     spec's, the layer within the re-quantization error of `reference.moe`, bitwise deterministic."""
-    from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe
+    from nvfp4_sampler.kernels import reference, triton_gemv, triton_moe
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, top_k, tokens = 6, 256, 64, 4, 2
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
@@ -155,9 +155,9 @@ def check_moe_pairs(op_order: str) -> None:
     ids = topk_ids.reshape(-1).to(torch.int32)
     a = reference.quantize_per_token(x, op_order=op_order)
     for split_k in (1, 2):
-        cfg = dict(triton_gemm.gemv_config(1, inter * ids.numel(), hidden), SPLIT_K=split_k)
+        cfg = dict(triton_gemv.gemv_config(1, inter * ids.numel(), hidden), SPLIT_K=split_k)
         act = torch.empty((ids.numel(), inter), dtype=torch.bfloat16)
-        triton_gemm.launch_w4a4_pairs(x, w13, act, pair_expert=ids, topk=top_k, swiglu=True, op_order=op_order,
+        triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=ids, topk=top_k, swiglu=True, op_order=op_order,
                                       config=cfg)
         for p in range(ids.numel()):
             h = reference.nvfp4_gemm(reference._rows(a, torch.tensor([p // top_k])), reference._expert(w13, int(ids[p])),
@@ -166,7 +166,7 @@ def check_moe_pairs(op_order: str) -> None:
             assert bool(((act[p].float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()), f"SwiGLU row {p}"
     want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
     got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)
-    assert ids.numel() <= triton_gemm.PAIRED_MAX_PAIRS
+    assert ids.numel() <= triton_gemv.PAIRED_MAX_PAIRS
     assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)), "MoE not deterministic"
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
