@@ -14,27 +14,28 @@ Sources of a quantized linear:
   NVFP4Tensor       already in the sampler format: copied
 Every check that needs no data (architecture, names, shapes, dtypes, K % 16, TP divisibility) runs
 before the first tensor is converted; files appear at `dst` only once all are written.
+The per-tensor error report is `converters.report`; buckets and the folder writer are `converters.writer`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
-from nvfp4_sampler.kernels import cpu_quant, dispatch, reference
+from nvfp4_sampler.kernels import cpu_quant, dispatch
 from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
 from nvfp4_sampler.sampler_format import SamplerConfig
 
 from . import name_map, schema
+from .report import ConvertSummary, quantization_report, te_conversion_report
 from .sources import SafetensorsFolder, SourceValue, StateDictSource, TENVFP4Weight, value_nbytes, value_spec
+from .writer import Bucket, FolderWriter, nbytes, split_ranks
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 
@@ -82,69 +83,6 @@ class ConvertOptions:
         """The quantization_config written with the converted weights."""
         return SamplerConfig(weight_recipe=self.recipe, op_order=self.op_order, keep_bf16=self.keep_bf16,
                              prequantized=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorReport:
-    """Errors of one quantized linear weight [N, K].
-
-    quant_*: dequantized NVFP4 vs the float source (relative Frobenius norm, max abs); None when the
-      source holds no float weight (TE / NVFP4 sources).
-    conv_*: conversion error for NVFP4 sources (TE, NVFP4Tensor): max |decoded before - decoded
-      after| and the number of bits that differ in codes, block scales and global scale; None for
-      float sources. Both are 0 by construction; the report proves it per tensor.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    source: str
-    quant_rel_fro: float | None = None
-    quant_max_abs: float | None = None
-    conv_max_abs: float | None = None
-    conv_bits_changed: int | None = None
-
-
-@dataclasses.dataclass
-class ConvertSummary:
-    """What a conversion did; `table()` renders the worst tensors."""
-
-    tensors_in: int = 0
-    tensors_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds: float = 0.0
-    peak_tracked_bytes: int = 0
-    reports: list[TensorReport] = dataclasses.field(default_factory=list)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_in / self.seconds / 1e9 if self.seconds else 0.0
-
-    def table(self, *, top: int = 10) -> str:
-        """The `top` tensors by conversion error, then quantization error, as a text table."""
-        def key(r: TensorReport):
-            return (r.conv_bits_changed or 0, r.conv_max_abs or 0.0, r.quant_rel_fro or 0.0)
-        rows = sorted(self.reports, key=key, reverse=True)[:top]
-        fmt = "{:<56} {:>14} {:>5} {:>10} {:>10} {:>10} {:>6}"
-        lines = [fmt.format("tensor", "shape", "src", "q_relfro", "q_maxabs", "c_maxabs", "c_bits")]
-        for r in rows:
-            num = [("-" if v is None else f"{v:.3e}") for v in (r.quant_rel_fro, r.quant_max_abs, r.conv_max_abs)]
-            lines.append(fmt.format(r.name[-56:], "x".join(map(str, r.shape)), r.source, *num,
-                                    "-" if r.conv_bits_changed is None else r.conv_bits_changed))
-        return "\n".join(lines)
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-
-
-def _popcount_xor(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Number of differing bits between two tensors of equal shape and byte size."""
-    x = a.reshape(-1).contiguous().view(torch.uint8) ^ b.reshape(-1).contiguous().view(torch.uint8)
-    return int(_POPCOUNT[x.long()].sum())
 
 
 class _Converter:
@@ -270,7 +208,7 @@ class _Converter:
             qi = NVFP4Tensor(q.codes[i], q.block_scales[i], q.global_scale[i])
             if self.options.report:
                 err_i = None if err is None else cpu_quant.QuantizationError(*(t[i] for t in err))
-                self.summary.reports.append(self._quant_report(m.name, w[i], qi, err_i))
+                self.summary.reports.append(quantization_report(m.name, w[i], qi, err_i))
             prefix, _ = schema.split_name(m.name)
             groups.append({f"{prefix}.{schema.WEIGHT}": qi.codes, f"{prefix}.{schema.SCALE}": qi.block_scales,
                            f"{prefix}.{schema.SCALE_2}": qi.global_scale})
@@ -299,7 +237,7 @@ class _Converter:
         else:
             w = value if self.device is None else value.to(self.device)
             q, err = self._quantize(w, self._shared_amax(name, w.device), name)
-            report = self._quant_report(name, w, q, err) if self.options.report else None
+            report = quantization_report(name, w, q, err) if self.options.report else None
         if report is not None:
             self.summary.reports.append(report)
         return {f"{prefix}.{schema.WEIGHT}": q.codes, f"{prefix}.{schema.SCALE}": q.block_scales,
@@ -339,56 +277,9 @@ class _Converter:
             return dispatch.quantize_weight_on(w, backend=self.options.backend, **kw), None
         except ValueError as e:
             raise ValueError(f"{what}: {str(e).removeprefix('weight: ')}") from e
-
-    def _quant_report(self, name: str, w: torch.Tensor, q: NVFP4Tensor, err: cpu_quant.QuantizationError | None,
-                      *, chunk: int = 1 << 16) -> TensorReport:
-        """Relative Frobenius and max abs error of deq(q) against w: `err` when the quantizer gave it,
-        else computed over cache-sized row chunks (no whole-tensor fp32 temporaries; sums in fp32
-        within a chunk, fp64 across chunks)."""
-        if err is None:
-            w2, gs = w.reshape(-1, w.shape[-1]), q.row_global_scale().reshape(-1)
-            codes, scales = q.codes.reshape(-1, q.codes.shape[-1]), q.block_scales.reshape(-1, q.block_scales.shape[-1])
-            err2 = ref2 = emax = torch.zeros((), dtype=torch.float64, device=w.device)
-            rows = max(1, chunk // w2.shape[-1])
-            for r in range(0, w2.shape[0], rows):
-                part = NVFP4Tensor(codes[r:r + rows], scales[r:r + rows], gs[r:r + rows])
-                wf = w2[r:r + rows].float()
-                diff = reference.dequantize(part).sub_(wf)
-                err2 = err2 + diff.square().sum().double()
-                ref2 = ref2 + wf.square().sum().double()
-                emax = torch.maximum(emax, diff.abs().max())
-            err = cpu_quant.QuantizationError(err2, ref2, emax)
-        norm, enorm, emax = err.ref_sq.sqrt().item(), err.err_sq.sqrt().item(), err.max_abs.item()
-        rel = enorm / norm if norm else float(emax > 0)
-        return TensorReport(name, tuple(w.shape), str(w.dtype).removeprefix("torch."), rel, emax)
-
     def _track(self, delta: int) -> None:
         self._live += delta
         self.summary.peak_tracked_bytes = max(self.summary.peak_tracked_bytes, self._live)
-
-
-def te_conversion_report(name: str, te: TENVFP4Weight, q: NVFP4Tensor) -> TensorReport:
-    """Compare the written NVFP4 with TE's own storage: codes bitwise, scales bitwise at the
-    valid positions of TE's padded (compact or swizzled) buffer, global scale vs TE's amax."""
-    m, k = te.shape
-    ksf = k // BLOCK
-    scales = q.block_scales.cpu()
-    stored = te.scale_inv.cpu().view(torch.float8_e4m3fn)
-    if te.with_gemm_swizzled_scales:
-        valid = reference.swizzle_scales_128x4(torch.ones(m, ksf).to(torch.float8_e4m3fn)).view(torch.uint8) != 0
-        scale_bits = _popcount_xor(reference.swizzle_scales_128x4(scales).view(torch.uint8)[valid],
-                                   stored.view(torch.uint8)[valid])
-        te_scales = reference.unswizzle_scales_128x4(stored, m, ksf)
-    else:
-        te_scales = stored[:m, :ksf]
-        scale_bits = _popcount_xor(scales, te_scales)
-    gs = reference.decode_scale_from_amax(te.amax.reshape(()).cpu())
-    bits = _popcount_xor(q.codes.cpu(), te.data.cpu()) + scale_bits + _popcount_xor(q.global_scale.cpu(), gs)
-    diff = 0.0                   # identical bytes decode identically; decode only when they differ
-    if bits:
-        before = NVFP4Tensor(te.data.cpu(), te_scales.contiguous(), gs)
-        diff = (reference.dequantize(before) - reference.dequantize(q.to("cpu"))).abs().max().item()
-    return TensorReport(name, (m, k), "te", conv_max_abs=diff, conv_bits_changed=bits)
 
 
 def _mapped_shape(shape: tuple[int, ...], m: name_map.Mapped) -> tuple[int, ...]:
@@ -396,29 +287,6 @@ def _mapped_shape(shape: tuple[int, ...], m: name_map.Mapped) -> tuple[int, ...]
         return tuple(shape)
     rows = m.index[1]
     return (rows.stop - rows.start, *shape[2:])
-
-
-class _Bucket:
-    """Collects groups of tensors up to `limit` bytes; `add` returns the full bucket to flush."""
-
-    def __init__(self, limit: int, track: Callable[[int], None]):
-        self.limit, self.track = limit, track
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.bytes = 0
-
-    def add(self, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        size = _nbytes(group)
-        full = self.take() if self.tensors and self.bytes + size > self.limit else None
-        self.tensors.update(group)
-        self.bytes += size
-        self.track(size)
-        return full
-
-    def take(self) -> dict[str, torch.Tensor] | None:
-        full, self.tensors = self.tensors, {}
-        self.track(-self.bytes)
-        self.bytes = 0
-        return full or None
 
 
 def output_specs(source: SafetensorsFolder | StateDictSource,
@@ -443,59 +311,18 @@ def iter_buckets(source: SafetensorsFolder | StateDictSource, options: ConvertOp
     conv = _Converter(source, options)
     if summary is not None:
         conv.summary = summary
-    bucket = _Bucket(options.bucket_bytes, conv._track)
+    bucket = Bucket(options.bucket_bytes, conv._track)
     start = time.perf_counter()
     for group in conv.groups(only):
         full = bucket.add(group)
         if full is not None:
-            conv.summary.bytes_out += _nbytes(full)
+            conv.summary.bytes_out += nbytes(full)
             yield full
     last = bucket.take()
     if last is not None:
-        conv.summary.bytes_out += _nbytes(last)
+        conv.summary.bytes_out += nbytes(last)
         yield last
     conv.summary.seconds = time.perf_counter() - start
-
-
-def _split(group: dict[str, torch.Tensor], tp: int) -> list[dict[str, torch.Tensor]]:
-    """Per-rank pieces of a group: split along schema.tp_dim, replicated otherwise."""
-    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for name, t in group.items():
-        dim = schema.tp_dim(name)
-        pieces = t.chunk(tp, dim) if dim is not None and dim < t.dim() else [t] * tp
-        for r, piece in enumerate(pieces):
-            ranks[r][name] = piece
-    return ranks
-
-
-class _FolderWriter:
-    """Writes buckets as numbered shards into `folder`; `finish` names them and writes the index."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(parents=True)
-        self.shards: list[list[str]] = []
-        self.total = 0
-
-    def write(self, tensors: dict[str, torch.Tensor]) -> int:
-        cpu = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-        save_file(cpu, self.folder / f"part-{len(self.shards) + 1}", metadata=schema.SHARD_METADATA)
-        self.shards.append(list(cpu))
-        size = _nbytes(cpu)
-        self.total += size
-        return size
-
-    def finish(self, config_json: dict[str, Any], extra_files: list[Path]) -> None:
-        weight_map = {}
-        for i, names in enumerate(self.shards, start=1):
-            file = schema.shard_file(i, len(self.shards))
-            os.rename(self.folder / f"part-{i}", self.folder / file)
-            weight_map.update(dict.fromkeys(names, file))
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / schema.INDEX_FILE).write_text(json.dumps(index, indent=2))
-        (self.folder / schema.CONFIG_FILE).write_text(json.dumps(config_json, indent=2))
-        for f in extra_files:
-            shutil.copy2(f, self.folder / f.name)
 
 
 def convert(src: str | Path | SafetensorsFolder | StateDictSource, dst: str | Path,
@@ -517,12 +344,12 @@ def convert(src: str | Path | SafetensorsFolder | StateDictSource, dst: str | Pa
     start = time.perf_counter()
     try:
         folders = [tmp] if options.tp == 1 else [tmp / schema.RANK_DIR.format(rank=r) for r in range(options.tp)]
-        writers = [_FolderWriter(f) for f in folders]
+        writers = [FolderWriter(f) for f in folders]
         per_rank = max(1, options.bucket_bytes // options.tp)
-        buckets = [_Bucket(per_rank, conv._track) for _ in writers]
+        buckets = [Bucket(per_rank, conv._track) for _ in writers]
         done = 0
         for group in conv.groups():
-            for writer, bucket, piece in zip(writers, buckets, _split(group, options.tp)):
+            for writer, bucket, piece in zip(writers, buckets, split_ranks(group, options.tp)):
                 full = bucket.add(piece)
                 if full is not None:
                     conv.summary.bytes_out += writer.write(full)

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from nvfp4_sampler.converters import name_map, schema
-from nvfp4_sampler.converters.convert import ConvertOptions, convert, iter_buckets, te_conversion_report
+from nvfp4_sampler.converters.convert import ConvertOptions, convert, iter_buckets
+from nvfp4_sampler.converters.report import te_conversion_report
 from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource, TENVFP4Weight
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.kernels.format import NVFP4Tensor
