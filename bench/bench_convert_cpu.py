@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from nvfp4_sampler.converters.convert import ConvertOptions, ConvertSummary, convert, iter_buckets
+from nvfp4_sampler.converters.convert import ConvertOptions, convert, iter_buckets
+from nvfp4_sampler.converters.report import ConvertSummary
 from nvfp4_sampler.converters.sources import StateDictSource, TENVFP4Weight
 from nvfp4_sampler.kernels import dispatch, reference
 
