@@ -99,8 +99,8 @@ def sidecar(model: str | Path, *, engine: str, port: int | None = None, log: str
 
 
 def remote_sidecar(engine_url: str, *, port: int | None = None, log: str | Path, extra: list[str] = (),
-                   timeout_s: float = 120.0) -> ChildServer:
+                   env: dict[str, str] | None = None, timeout_s: float = 120.0) -> ChildServer:
     """A `nvfp4-sampler sidecar --engine-url URL` child on 127.0.0.1 (not started)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "nvfp4_sampler.server.cli", "sidecar", "--engine-url", engine_url, "--port", str(port), *extra]
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, timeout_s=timeout_s, check_pid=True)
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env, timeout_s=timeout_s, check_pid=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import signal
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,6 +13,8 @@ import pytest
 
 from nvfp4_sampler.server.client import SamplerClient, SidecarError
 from nvfp4_sampler.server.engines.vllm import vllm_server
+from nvfp4_sampler.server.ipc import shared_cpu_buffer
+from nvfp4_sampler.server.plan import TransferPlan
 from nvfp4_sampler.server.process import ChildServer, free_port, remote_sidecar, sidecar
 from nvfp4_sampler.server.protocol import FRAMES_CONTENT_TYPE, WEIGHT_VERSION_HEADER
 from nvfp4_sampler.server.wire import encode_frame, iter_entries
@@ -48,7 +51,15 @@ def engine(models, logs, fresh_b):
 
 
 def _sidecar_proc(engine_url: str, port: int, log) -> ChildServer:
-    return remote_sidecar(engine_url, port=port, log=log, extra=["--token", TOKEN])
+    """The sidecar cannot write files: its staging dir is under a regular file (mkdir / open fail,
+    root included) and its TMPDIR is an empty folder that `test_commit_hands_over_without_files`
+    checks; commits must reach the workers through shared memory."""
+    blocker = Path(log).parent / "not-a-dir"
+    blocker.touch()
+    tmp = Path(log).parent / "sidecar-tmp"
+    tmp.mkdir(exist_ok=True)
+    return remote_sidecar(engine_url, port=port, log=log, env={"TMPDIR": str(tmp)},
+                          extra=["--token", TOKEN, "--staging-dir", str(blocker / "staging")])
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +133,37 @@ def test_push_equals_fresh_engine(client, models, fresh_b):
     assert lp(client) == (v0 + 2, lp0)                                    # back to A exactly
     client.push(models["b"], layout="bf16", progress=False)              # quantized inside vLLM
     assert lp(client) == (v0 + 3, fresh_b)
+
+
+def test_commit_hands_over_without_files(client, models, fresh_b, logs):
+    """No file between the sidecar and vLLM's workers: the staging dir cannot be created (see
+    `_sidecar_proc`), no regular file appears in TMPDIR; HTTP frames and IPC buckets (plain and planned) reach the
+    workers as the shared staging area itself (no copy), and every result equals a fresh engine
+    bitwise."""
+    v0 = client.version().weight_version
+    assert client.push(models["a"], layout="nvfp4", progress=False).weight_version == v0 + 1
+    va, lpa = lp(client)
+    assert va == v0 + 1 and lpa != fresh_b
+    a, b = tensors(models["a"]), tensors(models["b"])
+    entries = list(iter_entries(b))
+    st = client.begin(v0 + 2, entries)
+    client.send(st.update_id, [bytes(x) for e in entries for x in encode_frame(e, b)])
+    assert client.commit(st.update_id).engine["copied_bytes"] == 0
+    assert lp(client) == (v0 + 2, fresh_b)
+    st = client.begin(v0 + 3, entries)
+    client.send_ipc(st.update_id, a)                      # a shared-memory bucket, copied into staging
+    assert client.commit(st.update_id).engine["copied_bytes"] == 0
+    assert lp(client) == (v0 + 3, lpa)
+    plan = TransferPlan.build(entries, bucket_bytes=1 << 20)
+    st = client.begin(v0 + 4, entries, bucket_bytes=1 << 20)
+    assert st.plan_id == plan.plan_id and len(plan.entries) < len(entries)
+    flat = shared_cpu_buffer(plan.new_buffer().numel())
+    for i in range(len(plan.buckets)):
+        client.send_bucket(st.update_id, i, plan.pack(i, b, flat))
+    assert client.commit(st.update_id).engine["copied_bytes"] == 0
+    assert lp(client) == (v0 + 4, fresh_b)
+    # torch's shared-memory manager keeps its Unix socket in a torch-shm-dir-* folder there: no regular file
+    assert [f for f in (logs / "sidecar-tmp").rglob("*") if f.is_file()] == []
 
 
 def test_faults_leave_old_version(client, models):

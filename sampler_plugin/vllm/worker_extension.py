@@ -7,6 +7,8 @@
 
 or over HTTP with `VLLM_SERVER_DEV_MODE=1`: POST /collective_rpc
 {"method": "nvfp4_apply_update", "args": [staged_path, "7"]}, then POST /reset_prefix_cache.
+Without a file: `nvfp4_apply_shared(spec, version)` takes the tensors as views of buffers the caller
+shares by handle (shared memory or CUDA IPC; `sampler_plugin.shared_buffers`), as the sidecar does.
 
 The staged file is a safetensors file of checkpoint-named tensors (docs/ARCHITECTURE.md, "Weight
 updates"): BF16 `P.weight` (quantized on arrival) or NVFP4 triplets, any subset, including a single
@@ -16,13 +18,38 @@ is written, and written into the existing parameters (shapes and addresses never
 """
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .. import layers
-from ..core import is_nvfp4, reload_targets
+from .. import layers, shared_buffers
+from .linear import NVFP4LinearMethod
+from .moe import NVFP4MoEMethod
+
+
+def reload_targets(model: torch.nn.Module) -> dict[str, layers.Target]:
+    """Checkpoint name -> Target for every reloadable tensor of a vLLM model.
+
+    NVFP4 layers are keyed by checkpoint module prefix ("model.layers.0.self_attn.k_proj",
+    "model.layers.0.mlp.experts.3.up_proj"); plain tensors by full name ("model.norm.weight").
+    """
+    targets: dict[str, layers.Target] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, NVFP4LinearMethod):
+            w = method.storage(module)
+            targets.update({s.name: layers.Target(weight=w, shard=s) for s in method.shards(module)})
+        elif isinstance(method, NVFP4MoEMethod):
+            storage = method.storage(module)
+            for e in range(storage["w13"].codes.shape[0]):
+                for sid, s in method.expert_shards(module, e).items():
+                    targets[s.name] = layers.Target(weight=storage["w2" if sid == "w2" else "w13"], shard=s)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not hasattr(p, "nvfp4_kind") and p.numel() > 0:
+            targets[name] = layers.Target(param=p.data)
+    return targets
 
 
 def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
@@ -30,7 +57,7 @@ def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
     CPU vLLM computes lm_head (and tied embeddings) from a packed copy made there."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is None or is_nvfp4(module):
+        if method is None or isinstance(method, (NVFP4LinearMethod, NVFP4MoEMethod)):
             continue
         if any(p.data_ptr() in written for p in module.parameters(recurse=False)):
             method.process_weights_after_loading(module)
@@ -46,7 +73,26 @@ class NVFP4SamplerWorkerExtension:
         tensor (unknown name, wrong dtype or shape, incomplete NVFP4 triplet); nothing is written then.
         """
         start = time.perf_counter()
-        tensors = load_file(staged_path)
+        return self._nvfp4_apply(load_file(staged_path), version, start)
+
+    def nvfp4_apply_shared(self, spec: str | dict, version: int | str) -> dict:
+        """Apply tensors the caller holds in shared buffers (no file): `spec` (a dict or its JSON) is
+        {"buffers": [IpcHandle dicts: a shared-memory segment or a CUDA IPC handle],
+         "tensors": [[checkpoint name, dtype, shape, buffer index, byte offset], ...]}.
+        The tensors are views of the opened buffers (host memory -> this worker -> device, copied
+        once into the parameters). Same validation, report and all-or-nothing rule as
+        `nvfp4_apply_update`; the buffers are released on return."""
+        start = time.perf_counter()
+        spec = json.loads(spec) if isinstance(spec, str) else spec
+        buffers = [shared_buffers.open_buffer(h) for h in spec["buffers"]]
+        try:
+            return self._nvfp4_apply(shared_buffers.views(buffers, spec["tensors"]), version, start)
+        finally:
+            if any(b.is_cuda for b in buffers):
+                torch.cuda.synchronize()                 # copies out of the sender's memory are done
+            del buffers
+
+    def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float) -> dict:
         model = self.model_runner.model
         quant_config = self.vllm_config.quant_config
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":

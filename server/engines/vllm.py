@@ -3,7 +3,8 @@
 The server runs with `--quantization nvfp4_sampler`, the worker extension
 `sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension` and VLLM_SERVER_DEV_MODE=1, so
 the sidecar can call `/collective_rpc` (nvfp4_apply_update, nvfp4_weight_version), `/pause`,
-`/resume` and `/reset_prefix_cache`. OpenAI routes are forwarded as they are; log-probs use
+`/resume` and `/reset_prefix_cache`. Commits hand the staged tensors to the workers as shared
+buffers (handle + offsets through `/collective_rpc`), never as a file. OpenAI routes are forwarded as they are; log-probs use
 `/v1/completions` with token-id prompts, `max_tokens: 1` and `prompt_logprobs: k` (the one sampled
 token is discarded). The weight version lives in the engine's workers, so a restarted sidecar
 reads it back.
@@ -14,14 +15,13 @@ import asyncio
 import json
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import save_file
 
+from .. import ipc
 from ..process import ChildServer, free_port
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from ..settings import Settings
@@ -59,6 +59,9 @@ class VLLMEngine(Engine):
         self.model_id = str(settings.model) if settings.model else ""
         self.specs = checkpoint_specs(settings.model) if settings.model else {}
         self.http: httpx.AsyncClient | None = None
+        self._scratch: torch.Tensor | None = None            # shared buffer for tensors not staged in one
+        self.last_copied_bytes = 0                           # bytes the last commit copied to share them
+        self._own: set[int] = set()                          # storages of the shared staging buffers given out
 
     async def start(self) -> None:
         if self.child is not None:
@@ -102,26 +105,78 @@ class VLLMEngine(Engine):
             raise EngineError(f"workers disagree on the weight version: {sorted(versions)}", status=500)
         return versions.pop()
 
+    def staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """Updates are staged in shared memory, so a commit hands the workers the staged bytes
+        themselves (handle + offsets), with no copy and no file."""
+        buf = ipc.shared_cpu_buffer(nbytes)
+        self._own.add(buf.untyped_storage().data_ptr())
+        return buf
+
+    def _shared_spec(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        """The `nvfp4_apply_shared` spec of `tensors`: CPU tensors that are views of a shared-memory
+        staging buffer travel as (handle, offset) with no copy; any other tensor is copied once
+        into a reusable shared buffer (CPU tensors) or one flat buffer on its GPU shared by CUDA IPC.
+        Returns the spec and the buffers to keep alive until the workers answered."""
+        buffers: list[torch.Tensor] = []
+        index: dict[tuple[str, int], int] = {}              # (device, storage data_ptr) -> buffer index
+        table, pending = [], []
+        for name, t in tensors.items():
+            st = t.untyped_storage()
+            key = (str(t.device), st.data_ptr())
+            shared = (t.device.type == "cpu" and st.data_ptr() in self._own and st.is_shared()
+                      and t.is_contiguous())
+            if not shared:
+                pending.append((name, t))
+                continue
+            if key not in index:
+                index[key] = len(buffers)
+                buffers.append(torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),)))
+            table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), index[key],
+                          t.data_ptr() - st.data_ptr()])
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in pending:
+            by_device.setdefault(t.device, []).append((name, t))
+        for device, items in by_device.items():
+            offsets, total = [], 0
+            for _, t in items:
+                offsets.append(total)
+                total += -(-t.numel() * t.element_size() // ipc.ALIGN) * ipc.ALIGN
+            if device.type == "cpu":
+                if self._scratch is None or self._scratch.numel() < total:
+                    self._scratch = None
+                    self._scratch = ipc.shared_cpu_buffer(total)
+                flat = self._scratch
+            else:
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+            b = len(buffers)
+            buffers.append(flat)
+            for (name, t), off in zip(items, offsets):
+                n = t.numel() * t.element_size()
+                flat[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                table.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), b, off])
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        handles = [ipc.share(f).model_dump() for f in buffers]
+        self.last_copied_bytes = sum(t.numel() * t.element_size() for _, t in pending)
+        return {"buffers": handles, "tensors": table}, buffers
+
     async def apply_update(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
-        """The tensors go to the workers as one safetensors file in the staging dir (tmpfs by default),
-        loaded by the worker extension's `nvfp4_apply_update` (validates all, then writes in place)."""
+        """The tensors go to the workers through `collective_rpc("nvfp4_apply_shared")` as shared
+        buffers (the staging area itself, a shared-memory segment: handle + offsets, no copy; GPU
+        tensors as one CUDA IPC buffer): no file. The worker extension validates all, then writes
+        in place. `stage_seconds`: building the handover (copies of tensors not yet shared)."""
         t0 = time.perf_counter()
-        staging = Path(self.settings.staging_dir)
-        staging.mkdir(parents=True, exist_ok=True)
-        path = staging / f"update-{version}-{uuid.uuid4().hex}.safetensors"
+        spec, keep = await asyncio.to_thread(self._shared_spec, tensors)
+        stage_seconds = time.perf_counter() - t0
+        await self._post("POST", "/pause", params={"mode": "wait"})
         try:
-            await asyncio.to_thread(save_file, tensors, str(path))
-            stage_seconds = time.perf_counter() - t0
-            await self._post("POST", "/pause", params={"mode": "wait"})
-            try:
-                reports = await self._rpc("nvfp4_apply_update", str(path), str(version))
-                await self._post("POST", "/reset_prefix_cache")
-            finally:
-                await self._post("POST", "/resume")
+            reports = await self._rpc("nvfp4_apply_shared", json.dumps(spec), str(version))
+            await self._post("POST", "/reset_prefix_cache")
         finally:
-            path.unlink(missing_ok=True)
+            await self._post("POST", "/resume")
+        del keep
         report = reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
-        return {**report, "stage_seconds": stage_seconds}
+        return {**report, "stage_seconds": stage_seconds, "copied_bytes": self.last_copied_bytes}
 
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
         body = {"model": self.model_id, "prompt": req.sequences, "max_tokens": 1, "temperature": 0.0,
