@@ -25,31 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import layers, shared_buffers
-from .linear import NVFP4LinearMethod
-from .moe import NVFP4MoEMethod
-
-
-def reload_targets(model: torch.nn.Module) -> dict[str, layers.Target]:
-    """Checkpoint name -> Target for every reloadable tensor of a vLLM model.
-
-    NVFP4 layers are keyed by checkpoint module prefix ("model.layers.0.self_attn.k_proj",
-    "model.layers.0.mlp.experts.3.up_proj"); plain tensors by full name ("model.norm.weight").
-    """
-    targets: dict[str, layers.Target] = {}
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, NVFP4LinearMethod):
-            w = method.storage(module)
-            targets.update({s.name: layers.Target(weight=w, shard=s) for s in method.shards(module)})
-        elif isinstance(method, NVFP4MoEMethod):
-            storage = method.storage(module)
-            for e in range(storage["w13"].codes.shape[0]):
-                for sid, s in method.expert_shards(module, e).items():
-                    targets[s.name] = layers.Target(weight=storage["w2" if sid == "w2" else "w13"], shard=s)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if not hasattr(p, "nvfp4_kind") and p.numel() > 0:
-            targets[name] = layers.Target(param=p.data)
-    return targets
+from ..core import is_nvfp4, reload_targets
 
 
 def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
@@ -57,7 +33,7 @@ def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
     CPU vLLM computes lm_head (and tied embeddings) from a packed copy made there."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is None or isinstance(method, (NVFP4LinearMethod, NVFP4MoEMethod)):
+        if method is None or is_nvfp4(module):
             continue
         if any(p.data_ptr() in written for p in module.parameters(recurse=False)):
             method.process_weights_after_loading(module)
