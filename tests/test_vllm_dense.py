@@ -4,6 +4,14 @@ Two real CPU engines per module, in float32 so that the comparison with the pure
 not lost in BF16 rounding (a W4A4 model flips activation codes on one-ulp differences):
   online   -- BF16 checkpoint of seed 0, quantized at load
   prequant -- pre-quantized checkpoint (nvfp4_sampler.testing.models.write_prequantized) of seed 1
+
+What is exact and what is not: the same implementation against itself (an engine after a reload vs a
+fresh engine, online vs pre-quantized load, codes vs `kernels.reference`) is asserted bitwise. The
+engine against the torch forward (two implementations) is asserted within tolerance: teacher-forced
+log-probs within TOL, and greedy decode along the engine's own path (each engine token within
+vllm_helpers.NEAR_TIE of the reference's argmax on the engine's sequence), never token for token --
+free-running decodes of two implementations part at a near-tie (docs/NUMERICS.md, "What the tests
+assert exactly").
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_dense.py
 """
 from __future__ import annotations
@@ -13,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
-                                reference_model, shutdown, token_ids)
+from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
+                                reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 # float32 engine vs float32 torch forward: same codes unless an activation sits within float32
@@ -109,7 +117,15 @@ def test_logprobs_and_greedy_match_torch_reference(online, ckpts, ids, base):
     diff = (base - reference_logprobs(ref, ids)).abs()
     print(f"online vs torch reference: max |dlogp| {diff.max():.2e}, mean {diff.mean():.2e} over {diff.numel()} tokens")
     assert diff.max() < TOL
-    assert greedy(online, ids) == reference_greedy(ref, ids)
+    # greedy: each engine token is the reference's argmax on the engine's own sequence, up to a near-tie
+    # (not token for token: two implementations' free-running decodes part at the first near-tie)
+    gen = greedy(online, ids)
+    worst = assert_greedy_along_own_path(ref, ids, gen)
+    seqs = [i + g for i, g in zip(ids, gen)]
+    path = (prompt_logprobs(online, seqs) - reference_logprobs(ref, seqs)).abs()
+    print(f"greedy along the engine's own path: largest regret under the reference {worst:.2e} "
+          f"(near-tie {NEAR_TIE:.0e}); teacher-forced on those sequences max |dlogp| {path.max():.2e}")
+    assert path.max() < NEAR_TIE / 2      # the delta that NEAR_TIE allows on generated contexts (vllm_helpers)
     # and the quantization is real: the BF16 model is far away
     bf16 = reference_logprobs_unquantized(ckpts["bf16_0"], ids)
     assert (base - bf16).abs().mean() > 10 * TOL

@@ -1,7 +1,10 @@
 """vLLM nvfp4_sampler on a tiny random Qwen3-MoE: routed NVFP4 experts, pre-quantized load, expert reload.
 
 Engines (float32, one at a time): the pre-quantized checkpoint of seed 0, then the online (BF16)
-checkpoint of seed 0. Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_moe.py
+checkpoint of seed 0. Reloads and loads of the same weights are asserted bitwise; the engine against
+the torch forward within tolerance: teacher-forced log-probs within TOL, greedy tokens along the
+engine's own path (vllm_helpers.NEAR_TIE; see test_vllm_dense.py and docs/NUMERICS.md).
+Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_moe.py
 """
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
-                                reference_model, shutdown, token_ids)
+from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
+                                reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 TOL = 1e-3          # float32 engine vs float32 torch forward (see test_vllm_dense.py)
@@ -75,7 +78,8 @@ def test_moe_logprobs_and_greedy_match_torch_reference(online, ckpts, ids, base)
     diff = (base - reference_logprobs(ref, ids)).abs()
     print(f"MoE online vs torch reference: max |dlogp| {diff.max():.2e} over {diff.numel()} tokens")
     assert diff.max() < TOL
-    assert greedy(online, ids) == reference_greedy(ref, ids)
+    worst = assert_greedy_along_own_path(ref, ids, greedy(online, ids))     # not token for token (test_vllm_dense.py)
+    print(f"MoE greedy along the engine's own path: largest regret {worst:.2e} (near-tie {NEAR_TIE:.0e})")
     mem = rpc(online, "nvfp4_memory")
     print(f"MoE quantized layers: {mem['ratio']:.3f}x of BF16")
     assert mem["layers"] == 2 * 3 and mem["ratio"] <= 0.30       # qkv, o_proj, experts per layer

@@ -2,8 +2,10 @@
 config.json's quantization_config) on a tiny random Qwen3: one real CPU engine, online quantization.
 
 The engine's weights equal `kernels.reference` in TE's order bit for bit (the options reach the
-adapter from config.json), and its prompt log-probs and greedy tokens equal the torch forward under
-the same options (float32, as tests/test_vllm_dense.py).
+adapter from config.json), and against the torch forward under the same options (float32, as
+tests/test_vllm_dense.py) its prompt log-probs are within TOL and each greedy token is the forward's
+argmax on the engine's own sequence up to a near-tie (vllm_helpers.NEAR_TIE): two implementations'
+free-running decodes are not compared token for token (docs/NUMERICS.md).
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_vllm_recipes.py
 """
 from __future__ import annotations
@@ -17,8 +19,8 @@ from safetensors.torch import load_file
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.sampler_format import SamplerConfig, is_nvfp4_weight
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import (greedy, make_llm, prompt_logprobs, reference_greedy, reference_logprobs,
-                                reference_model, shutdown, token_ids)
+from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
+                                reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 TE = SamplerConfig(op_order="te", weight_recipe="2d")
@@ -68,4 +70,5 @@ def test_logprobs_and_greedy_match_the_torch_forward_under_the_same_recipe(engin
     diff = (engine["logprobs"] - reference_logprobs(ref, engine["ids"])).abs()
     print(f"TE-recipe engine vs torch forward: max |dlogp| {diff.max():.2e} over {diff.numel()} tokens")
     assert diff.max() < TOL
-    assert engine["greedy"] == reference_greedy(ref, engine["ids"])
+    worst = assert_greedy_along_own_path(ref, engine["ids"], engine["greedy"])   # not token for token
+    print(f"TE-recipe greedy along the engine's own path: largest regret {worst:.2e} (near-tie {NEAR_TIE:.0e})")
