@@ -20,8 +20,9 @@ engines on the same weights can run different BF16 kernels around ours. Asserted
   - after each update (made after graph capture): prompt log-probs, greedy tokens and decode log-probs
     equal the fresh seed-1 engine of the same mode bitwise (decode runs in captured graphs in the
     graphs and compiled modes, so the graphs see the new values); restoring gives the first results.
-    Compiled mode: the three paths agree bitwise; equal to the fresh engine bitwise when the two fresh
-    compiled engines agree with each other, else within MODE_MEAN_BOUND of it
+    Compiled mode: the three paths agree bitwise and restore bitwise (same process); equal bitwise to
+    one of the two fresh compiled engines, else (the updated engine autotuned other kernels) within
+    MODE_MEAN_BOUND of it
   - across modes: eager vs graphs bitwise (prompt log-probs and greedy tokens); the default compiled
     mode (with and without custom_ops=["all"]) vs eager: mean |dlogp| < MODE_MEAN_BOUND, not bitwise
     (see test_modes_agree)
@@ -121,9 +122,13 @@ def test_update_after_capture_equals_fresh_engine_and_restores(runs, kind, mode,
     assert not {f"{path}_new", f"{path}_restored"} & set(r["errors"]), r["errors"]
     _assert_same(r[f"{path}_restored"], r["start"], f"{kind}/{mode}: {path} restore vs start")
     _assert_same(r[f"{path}_new"], r["ext_new"], f"{kind}/{mode}: {path} update vs our extension's")
-    if mode == "compiled" and runs[kind, mode, "fresh2"]["start"] != fresh["start"]:
+    fresh_runs = (fresh["start"], runs[kind, mode, "fresh2"]["start"]) if mode == "compiled" else (fresh["start"],)
+    if mode == "compiled" and r[f"{path}_new"] not in fresh_runs:
+        # every compiled engine autotunes its own inductor kernels (docstring): the updated engine may
+        # have picked other BF16 kernels than both fresh ones (H200, 2026-12-03: the MoE fresh engines
+        # agreed, the updated one was 3.8e-3 off; in the run before, the fresh ones differed instead)
         diff = (_flat(r[f"{path}_new"], "prompt_lp") - _flat(fresh["start"], "prompt_lp")).abs()
-        print(f"{kind}/compiled: two fresh engines differ; {path} update vs fresh: mean |dlogp| {diff.mean():.3e}")
+        print(f"{kind}/compiled: {path} update matches no fresh engine bitwise; mean |dlogp| {diff.mean():.3e}")
         assert diff.mean() < MODE_MEAN_BOUND
     else:
         _assert_same(r[f"{path}_new"], fresh["start"], f"{kind}/{mode}: {path} update vs fresh engine")
