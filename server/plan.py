@@ -22,11 +22,14 @@ after the flag is set) names the first bad checkpoint tensor.
 Both ends build the same plan from the same manifest (`TransferPlan.build` is deterministic;
 `plan_id` hashes it). `member_views` turns a received bucket into checkpoint-named views (no copy)
 for the engines' `apply_update`; `fused_views` gives the fused tensors themselves (a trainer can
-quantize straight into them; an engine holding the same layout can copy each with one copy).
+quantize straight into them); `fused_entries` gives them as `layers.FusedEntry`s, which the
+sidecar's commit hands to the engine (`layers.apply_fused`: one copy per tensor kind of an entry
+that fills one engine parameter set exactly, the per-tensor path otherwise).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -35,6 +38,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from nvfp4_sampler.sampler_format import BLOCK
+from nvfp4_sampler.sampler_plugin import layers
 
 from .protocol import TensorEntry
 
@@ -106,6 +110,25 @@ class PlannedEntry:
     parts: tuple[Part, ...]
     members: tuple[Member, ...]
 
+    @functools.cached_property
+    def slots(self) -> tuple[layers.FusedSlot, ...]:
+        """The members as `layers.FusedSlot`s: one per slot (a name template over the experts when
+        stacked), so a fused entry of 128 experts is described by 1-3 rows."""
+        if self.members[0].expert is None:
+            return tuple(layers.FusedSlot(m.entry.name, m.row0, m.row1, m.slot) for m in self.members)
+        experts = len({m.expert for m in self.members})
+        out = []
+        for m in self.members:
+            if m.expert == 0:
+                pattern = re.compile(r"\.experts\.0\.")
+                out.append(layers.FusedSlot(pattern.sub(".experts.{e}.", m.entry.name, count=1), m.row0, m.row1,
+                                            m.slot, experts))
+        return tuple(out)
+
+    def fused(self, tensors: Mapping[str, torch.Tensor]) -> layers.FusedEntry:
+        """This entry over its part tensors ({part kind: tensor}, e.g. from `fused_views`)."""
+        return layers.FusedEntry(self.name, self.layout, self.slots, tensors)
+
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
@@ -176,6 +199,11 @@ class TransferPlan:
         """Fused entry name -> {part kind: view of `flat`} for bucket `b` (no copy)."""
         self._check(b, flat)
         return {e.name: {p.kind: _view(flat, p) for p in e.parts} for e in (self.entries[i] for i in self.buckets[b].entries)}
+
+    def fused_entries(self, b: int, flat: torch.Tensor) -> list[layers.FusedEntry]:
+        """Bucket `b`'s entries as `layers.FusedEntry`s over views of `flat` (for `layers.apply_fused`)."""
+        self._check(b, flat)
+        return [e.fused({p.kind: _view(flat, p) for p in e.parts}) for e in (self.entries[i] for i in self.buckets[b].entries)]
 
     def member_views(self, b: int, flat: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """Checkpoint entry name -> {checkpoint tensor name: view} for bucket `b` (no copy): an NVFP4

@@ -26,6 +26,9 @@ from .protocol import BeginRequest, CommitResult, IpcBucket, TensorEntry, Update
 from .wire import FrameParser, WireError, decode_payload, invalid_tensor, payload_nbytes
 
 
+_PLANNED: dict[str, torch.Tensor] = {}                 # a planned member's staged marker (its bytes: Update.buckets)
+
+
 class UpdateError(Exception):
     """A refused update operation; `status` is the HTTP status to answer (4xx)."""
 
@@ -84,6 +87,7 @@ class Update:
     streaming: bool = False
     plan: TransferPlan | None = None                 # a planned update: IPC buckets by index only
     bucket_offsets: list[int] = dataclasses.field(default_factory=list)   # bucket b's place in `buffer`
+    buckets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # planned: staged bucket bytes
 
     def status(self, *, data_port: int | None = None) -> UpdateStatus:
         return UpdateStatus(update_id=self.id, target_version=self.target_version, state=self.state,
@@ -247,7 +251,7 @@ class UpdateManager:
 
     def _end(self, u: Update, state: str) -> None:
         """Close `u`; its staging buffer becomes the spare once no body writes into it."""
-        u.state, u.staged = state, {}
+        u.state, u.staged, u.buckets = state, {}, {}
         if not u.streaming and u.buffer is not None:
             self._spare, u.buffer, u.slots = u.buffer, None, {}
 
@@ -321,10 +325,10 @@ class UpdateManager:
             plan._check(b, flat)
         except (IndexError, ValueError) as e:
             raise UpdateError(f"bucket {b}: {e}", status=422) from e
-        members = [plan.entries[i].members for i in plan.buckets[b].entries]
-        for ms in members:
-            for m in ms:
-                u.staged.pop(m.entry.name, None)             # their bytes are about to be overwritten
+        members = [m.entry.name for i in plan.buckets[b].entries for m in plan.entries[i].members]
+        if u.buckets.pop(b, None) is not None:
+            for name in members:
+                u.staged.pop(name, None)                     # their bytes are about to be overwritten
         if flat.device.type == "cpu":
             dst = u.buffer[u.bucket_offsets[b]:u.bucket_offsets[b] + n]
         else:
@@ -335,8 +339,10 @@ class UpdateManager:
             raise UpdateError(plan.find_invalid(b, dst) or f"bucket {b}: invalid values", status=422)
         del flat
         u.last_activity = time.monotonic()
-        for name, parts in plan.member_views(b, dst).items():
-            u.stage(u.manifest[name], parts, sum(t.numel() * t.element_size() for t in parts.values()))
+        u.buckets[b] = dst                                   # the commit takes the fused entries from here
+        staged = dict.fromkeys(members, _PLANNED)            # no per-tensor views: names only
+        u.staged.update(staged)
+        u.bytes_received += n
         return self.status(u)
 
     def abort(self, update_id: str) -> UpdateStatus:
@@ -353,16 +359,24 @@ class UpdateManager:
             if missing:
                 raise UpdateError(f"{len(missing)} manifest tensor(s) not received yet, e.g. {missing[:5]}",
                                   status=409)
-            tensors = {name: t for parts in u.staged.values() for name, t in parts.items()}
+            if u.plan is not None:                           # planned: the fused entries, one copy per kind
+                fused = [e for b, flat in sorted(u.buckets.items()) for e in u.plan.fused_entries(b, flat)]
+                tensors = {}
+            else:
+                tensors = {name: t for parts in u.staged.values() for name, t in parts.items()}
             t0 = time.perf_counter()
             try:
                 async with self.lock.write():
-                    report = await self.engine.apply_update(tensors, u.target_version)
+                    if u.plan is not None:
+                        report = await self.engine.apply_fused(fused, u.target_version)
+                    else:
+                        report = await self.engine.apply_update(tensors, u.target_version)
                     self.version = u.target_version         # before any reader can run again
             except BaseException:
                 self._end(u, "aborted")                      # the engine refused it: nothing applied
                 raise
             del tensors
+            u.buckets = {}
             self._end(u, "committed")
             stage = report.pop("stage_seconds", 0.0)
             result = CommitResult(weight_version=u.target_version, tensors=len(u.manifest), bytes=u.bytes_received,

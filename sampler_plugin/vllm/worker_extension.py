@@ -39,6 +39,28 @@ def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
             method.process_weights_after_loading(module)
 
 
+def _fused_entries(rows: list, views: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list]:
+    """The "fused" table of `nvfp4_apply_shared` over the opened views: (checkpoint-named tensors
+    that are not parts of a fused entry, [layers.FusedEntry])."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    rest = {}
+    for name, t in views.items():
+        entry, sep, kind = name.rpartition("#")
+        if sep:
+            parts.setdefault(entry, {})[kind] = t
+        else:
+            rest[name] = t
+    entries = []
+    for name, layout, slots in rows:
+        if name not in parts:
+            raise ValueError(f"nvfp4_sampler: {name}: a fused entry without its tensors")
+        entries.append(layers.FusedEntry(name, layout, tuple(layers.FusedSlot.from_list(s) for s in slots),
+                                         parts.pop(name)))
+    if parts:
+        raise ValueError(f"nvfp4_sampler: {next(iter(parts))}: tensors of no fused entry")
+    return rest, entries
+
+
 class NVFP4SamplerWorkerExtension:
     """Mixed into vLLM's worker class; methods run on every worker via `collective_rpc`."""
 
@@ -57,18 +79,27 @@ class NVFP4SamplerWorkerExtension:
          "tensors": [[checkpoint name, dtype, shape, buffer index, byte offset], ...]}.
         The tensors are views of the opened buffers (host memory -> this worker -> device, copied
         once into the parameters). Same validation, report and all-or-nothing rule as
-        `nvfp4_apply_update`; the buffers are released on return."""
+        `nvfp4_apply_update`; the buffers are released on return.
+        A planned update adds "fused": [[fused name, layout, [FusedSlot rows]], ...] (one row per
+        fused entry, `layers.FusedEntry`), whose part tensors are the table's rows named
+        "FUSED_NAME#KIND"; each entry that fills one parameter set exactly is written with one copy
+        per tensor kind (`layers.apply_fused`)."""
         start = time.perf_counter()
         spec = json.loads(spec) if isinstance(spec, str) else spec
         buffers = [shared_buffers.open_buffer(h) for h in spec["buffers"]]
         try:
-            return self._nvfp4_apply(shared_buffers.views(buffers, spec["tensors"]), version, start)
+            tensors = shared_buffers.views(buffers, spec["tensors"])
+            if spec.get("fused") is not None:
+                rest, fused = _fused_entries(spec["fused"], tensors)
+                return self._nvfp4_apply(rest, version, start, fused=fused)
+            return self._nvfp4_apply(tensors, version, start)
         finally:
             if any(b.is_cuda for b in buffers):
                 torch.cuda.synchronize()                 # copies out of the sender's memory are done
             del buffers
 
-    def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float) -> dict:
+    def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float, *,
+                     fused: list[layers.FusedEntry] = ()) -> dict:
         model = self.model_runner.model
         quant_config = self.vllm_config.quant_config
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
@@ -76,12 +107,20 @@ class NVFP4SamplerWorkerExtension:
         config = quant_config.sampler
         targets = reload_targets(model)
         with torch.no_grad():
-            names = layers.apply_update(targets, tensors, config=config)
-            _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names if n in targets})
+            if fused:
+                names = layers.apply_fused(targets, fused, config=config, tensors=tensors)
+            else:
+                names = layers.apply_update(targets, tensors, config=config)
+            _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names
+                                           if n in targets and targets[n].param is not None})
         self.nvfp4_version = int(version)
-        return {"version": self.nvfp4_version, "tensors": len(names),
-                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-                "seconds": time.perf_counter() - start}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        nbytes += sum(t.numel() * t.element_size() for e in fused for t in e.tensors.values())
+        report = {"version": self.nvfp4_version, "tensors": len(names), "bytes": nbytes,
+                  "seconds": time.perf_counter() - start}
+        if fused:
+            report["entries"] = len(fused)
+        return report
 
     def nvfp4_save_state(self, path: str) -> int:
         """Write every reloadable tensor under its checkpoint name to the safetensors file `path`

@@ -104,6 +104,12 @@ class Engine(abc.ABC):
         (values were checked on arrival). Returns a report; "stage_seconds" in it, if any, is the
         time spent handing the tensors over (e.g. writing a file) before the engine applied them."""
 
+    async def apply_fused(self, entries: list, version: int) -> dict:
+        """A planned update's fused entries (`sampler_plugin.layers.FusedEntry`, views of the staged
+        buckets): same contract as `apply_update`. This default hands over their checkpoint-named
+        members; an engine that can writes each fused entry with one copy per tensor kind."""
+        return await self.apply_update({k: t for e in entries for k, t in e.members().items()}, version)
+
     @abc.abstractmethod
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]: ...
 

@@ -126,6 +126,19 @@ class EmbeddedEngine(Engine):
         self._version = version
         return {"tensors": n, "seconds": time.perf_counter() - t0}
 
+    async def apply_fused(self, entries: list[layers.FusedEntry], version: int) -> dict:
+        return await self._run(self._apply_fused, entries, version)
+
+    def _apply_fused(self, entries: list[layers.FusedEntry], version: int) -> dict:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                n = len(layers.apply_fused(self.targets, entries, config=self.config))
+        except ValueError as e:
+            raise EngineError(str(e), status=422) from e
+        self._version = version
+        return {"tensors": n, "entries": len(entries), "seconds": time.perf_counter() - t0}
+
     def _write(self, tensors: dict[str, torch.Tensor]) -> int:
         """Validate every checkpoint-named tensor, then write them all (layers.apply_update)."""
         try:

@@ -112,7 +112,8 @@ class VLLMEngine(Engine):
         self._own.add(buf.untyped_storage().data_ptr())
         return buf
 
-    def _shared_spec(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+    def _shared_spec(self, tensors: dict[str, torch.Tensor], *,
+                     cuda_storages: bool = False) -> tuple[dict, list[torch.Tensor]]:
         """The `nvfp4_apply_shared` spec of `tensors`: CPU tensors that are views of a shared-memory
         staging buffer travel as (handle, offset) with no copy; any other tensor is copied once
         into a reusable shared buffer (CPU tensors) or one flat buffer on its GPU shared by CUDA IPC.
@@ -123,8 +124,9 @@ class VLLMEngine(Engine):
         for name, t in tensors.items():
             st = t.untyped_storage()
             key = (str(t.device), st.data_ptr())
-            shared = (t.device.type == "cpu" and st.data_ptr() in self._own and st.is_shared()
-                      and t.is_contiguous())
+            shared = t.is_contiguous() and (
+                (t.device.type == "cpu" and st.data_ptr() in self._own and st.is_shared())
+                or (cuda_storages and t.device.type == "cuda"))       # a staged planned bucket: shared whole
             if not shared:
                 pending.append((name, t))
                 continue
@@ -177,6 +179,32 @@ class VLLMEngine(Engine):
         del keep
         report = reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
         return {**report, "stage_seconds": stage_seconds, "copied_bytes": self.last_copied_bytes}
+
+    async def apply_fused(self, entries: list, version: int) -> dict:
+        """A planned update: the fused table (one row per fused entry, hundreds per model, not one
+        per checkpoint tensor) and its part tensors, views of the staged buckets, shared as in
+        `apply_update`; the workers write each fused entry with one copy per tensor kind
+        (`nvfp4_apply_shared` with "fused")."""
+        t0 = time.perf_counter()
+
+        def spec_of():
+            named = {f"{e.name}#{k}": t for e in entries for k, t in e.tensors.items()}
+            spec, keep = self._shared_spec(named, cuda_storages=True)
+            spec["fused"] = [[e.name, e.layout, [s.to_list() for s in e.slots]] for e in entries]
+            return spec, keep
+
+        spec, keep = await asyncio.to_thread(spec_of)
+        stage_seconds = time.perf_counter() - t0
+        await self._post("POST", "/pause", params={"mode": "wait"})
+        try:
+            reports = await self._rpc("nvfp4_apply_shared", json.dumps(spec), str(version))
+            await self._post("POST", "/reset_prefix_cache")
+        finally:
+            await self._post("POST", "/resume")
+        del keep
+        report = reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
+        return {**report, "stage_seconds": stage_seconds, "copied_bytes": self.last_copied_bytes,
+                "fused_rows": len(spec["fused"])}
 
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
         body = {"model": self.model_id, "prompt": req.sequences, "max_tokens": 1, "temperature": 0.0,
