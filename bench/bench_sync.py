@@ -13,12 +13,27 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
 128, 128 experts of 768); `--layers` of the 48 are built and results are scaled per layer to 48
 (embeddings and lm_head use a small vocabulary and are left out of the per-layer figures).
 
+  planned  (`--paths planned`, issue #20) the planned protocol: the transfer plan built once
+        (`server.plan`: fused entries, fixed offsets), each plan bucket packed from the converted
+        tensors into one of two reused send buffers on the device (double-buffered: the next bucket
+        is converted and packed while the previous one is sent), sent as handle + index
+        (`SamplerClient.send_bucket`), committed as fused entries (`layers.apply_fused`). Sub-steps
+        timed: plan, convert, pack, send (sidecar copy + its one validation pass per bucket),
+        validate (the same pass timed on the trainer), commit; counted: entries, buckets, host syncs
+        and (with --profile) CUDA kernel launches on the trainer. Its sidecar's embedded engine runs on
+        --device and serves a pre-quantized checkpoint of the same shapes (placeholder NVFP4 values,
+        ~17 GB on disk for all 48 layers, written before the trainer state is built), so the whole
+        model fits one H200: `--paths planned --layers 48`.
+
     GPU:  python bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json
+          python bench/bench_sync.py --paths planned --layers 48 --out $OUT/bench_sync_planned.json
     CPU:  python bench/bench_sync.py --quick           (1 layer, 8 experts: checks the script)
+          python bench/bench_sync.py --quick --paths planned
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -32,6 +47,7 @@ import torch
 from safetensors.torch import save_file
 
 from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets
+from nvfp4_sampler.server import ipc
 from nvfp4_sampler.server import push as push_pipeline
 from nvfp4_sampler.server.client import SamplerClient
 from nvfp4_sampler.server.process import sidecar
@@ -157,6 +173,256 @@ def push_ipc(client: SamplerClient, state, layout: str) -> dict[str, float]:
     return {"payload": res.bytes, "prepare": prepare, "send": t2 - t1, "commit": t3 - t2, "total": t3 - t0}
 
 
+# ---- planned mode ---------------------------------------------------------------------------------
+
+def nvfp4_manifest(cfg: dict) -> list:
+    """The NVFP4 update manifest of `cfg` as the converter emits it for `model_tensors`: per-expert
+    triplets of every quantized projection, everything else dense BF16 (no tensors needed)."""
+    from nvfp4_sampler.server.protocol import TensorEntry
+
+    h, hd, e, inter, v = (cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"], cfg["moe_intermediate_size"],
+                          cfg["vocab_size"])
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def nv(name, n, k):
+        return TensorEntry(name=name, layout="nvfp4", dtype="nvfp4", shape=[n, k])
+
+    def bf(name, *shape):
+        return TensorEntry(name=name, layout="dense", dtype="bfloat16", shape=list(shape))
+
+    out = [bf("model.embed_tokens.weight", v, h)]
+    for L in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{L}"
+        out += [nv(f"{p}.self_attn.q_proj.weight", q, h), nv(f"{p}.self_attn.k_proj.weight", kv, h),
+                nv(f"{p}.self_attn.v_proj.weight", kv, h), nv(f"{p}.self_attn.o_proj.weight", h, q),
+                bf(f"{p}.self_attn.q_norm.weight", hd), bf(f"{p}.self_attn.k_norm.weight", hd),
+                bf(f"{p}.input_layernorm.weight", h), bf(f"{p}.post_attention_layernorm.weight", h),
+                bf(f"{p}.mlp.gate.weight", e, h)]
+        for x in range(e):
+            out += [nv(f"{p}.mlp.experts.{x}.gate_proj.weight", inter, h),
+                    nv(f"{p}.mlp.experts.{x}.up_proj.weight", inter, h),
+                    nv(f"{p}.mlp.experts.{x}.down_proj.weight", h, inter)]
+    return out + [bf("model.norm.weight", h), bf("lm_head.weight", v, h)]
+
+
+def plan_counts(plan) -> dict[str, int]:
+    """What a planned update of `plan` costs in entries, tensors, buckets and (by construction) the
+    sidecar's kernels: one copy + one validation pass per checked value class per bucket, and one
+    copy per fused tensor at commit (+ one gather per per-row decode scale)."""
+    checked = sum(1 for b in plan.buckets for r, _, _ in b.regions if r != "codes")
+    return {"manifest_entries": len(plan.manifest),
+            "manifest_tensors": sum(3 if e.layout == "nvfp4" else 1 for e in plan.manifest),
+            "planned_entries": len(plan.entries), "planned_tensors": plan.tensor_count(),
+            "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes, "plan_bytes": plan.nbytes,
+            "sidecar_validation_passes": checked, "sidecar_host_syncs": len(plan.buckets) + 1}
+
+
+def write_nvfp4_folder(cfg: dict, path: Path) -> Path:
+    """A pre-quantized checkpoint of `cfg`'s shapes (codes 0, block scales 0, decode scales 1): what
+    the planned mode's sidecar serves before the first update (only its shapes matter)."""
+    from nvfp4_sampler.testing.models import tokenizer
+
+    path.mkdir(parents=True)
+    tensors = {}
+    for e in nvfp4_manifest(cfg):
+        n, k = e.shape[0], e.shape[-1]
+        if e.layout == "nvfp4":
+            p = e.name.removesuffix(".weight")
+            tensors[e.name] = torch.zeros(n, k // 2, dtype=torch.uint8)
+            tensors[f"{p}.weight_scale"] = torch.zeros(n, k // 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+            tensors[f"{p}.weight_scale_2"] = torch.ones(())
+        else:
+            tensors[e.name] = torch.ones(e.shape, dtype=torch.bfloat16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer(path)
+    return path
+
+
+class Counter:
+    """Host synchronisations the trainer side makes (explicit ones, counted where they are made)."""
+
+    def __init__(self, device: str):
+        self.device, self.syncs = device, 0
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            self.syncs += 1
+
+
+def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str, buffers: int = 2,
+                 held: dict | None = None) -> dict[str, float]:
+    """One update with the planned protocol: plan (first call: build + begin with the manifest;
+    later: begin with the held plan_id), converter buckets re-packed into plan buckets in `buffers`
+    reused send buffers (sends run on a thread while the next bucket is converted and packed),
+    commit. Returns seconds per sub-step and counts."""
+    from nvfp4_sampler.server.plan import TransferPlan
+
+    held = held if held is not None else {}
+    c = Counter(device)
+    t0 = time.perf_counter()
+    version = client.version().weight_version + 1
+    if "plan" not in held:
+        pp = push_pipeline.plan(state, layout="nvfp4", config=CFG)
+        manifest = list(pp.entries.values())
+        plan = TransferPlan.build(manifest, bucket_bytes=bucket_bytes)
+        st = client.begin(version, manifest, bucket_bytes=bucket_bytes)
+        if st.plan_id != plan.plan_id:
+            raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {plan.plan_id}")
+        n = plan.new_buffer(device="meta").numel()
+        send = [ipc.shared_cpu_buffer(n) if device == "cpu" else torch.zeros(n, dtype=torch.uint8, device=device)
+                for _ in range(buffers)]                   # CPU: shared memory, as CUDA IPC on the GPU
+        held.update(plan=plan, pp=pp, send=send)
+    else:
+        plan, pp, send = held["plan"], held["pp"], held["send"]
+        st = client.begin(version, bucket_bytes=None, plan_id=plan.plan_id)
+    t_plan = time.perf_counter() - t0
+    need = {b: {n for i in bk.entries for m in plan.entries[i].members for n in _member_names(m)}
+            for b, bk in enumerate(plan.buckets)}
+    have: dict[str, torch.Tensor] = {}
+    t = {"convert": 0.0, "pack": 0.0, "send_wait": 0.0, "validate": 0.0}
+    pending: list[concurrent.futures.Future | None] = [None] * buffers
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    sent, nxt = 0, 0
+    send_s = [0.0]
+
+    def timed_send(b, flat):
+        ts = time.perf_counter()
+        r = client.send_bucket(st.update_id, b, flat)
+        send_s[0] += time.perf_counter() - ts
+        return r
+
+    t1 = time.perf_counter()
+    buckets = iter_buckets(pp.source, pp.options)
+    done = False
+    while nxt < len(plan.buckets):
+        while not done and not need[nxt] <= have.keys():
+            tc = time.perf_counter()
+            got = next(buckets, None)
+            t["convert"] += time.perf_counter() - tc
+            if got is None:
+                done = True
+                break
+            have.update(got)
+        if not need[nxt] <= have.keys():
+            raise RuntimeError(f"bucket {nxt}: {len(need[nxt] - have.keys())} tensors never converted")
+        slot = nxt % buffers
+        if pending[slot] is not None:                      # the buffer's previous bucket must be sent
+            tw = time.perf_counter()
+            pending[slot].result()
+            t["send_wait"] += time.perf_counter() - tw
+        tp = time.perf_counter()
+        flat = plan.pack(nxt, have, send[slot][:plan.buckets[nxt].nbytes])
+        tv = time.perf_counter()
+        flag = plan.validate(nxt, flat)                    # the sidecar's pass, timed here (not sent)
+        c.sync()                                           # packed: the sidecar may copy it
+        t["validate"] += time.perf_counter() - tv
+        t["pack"] += tv - tp
+        if bool(flag):
+            raise RuntimeError(plan.find_invalid(nxt, flat))
+        for n in need[nxt]:
+            have.pop(n, None)
+        pending[slot] = pool.submit(timed_send, nxt, send[slot])
+        nxt += 1
+        sent += 1
+    for f in pending:
+        if f is not None:
+            st = f.result()
+    pool.shutdown()
+    t2 = time.perf_counter()
+    if st.missing:
+        raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
+    res = client.commit(st.update_id)
+    t3 = time.perf_counter()
+    return {"payload": res.bytes, "plan": t_plan, "convert": t["convert"], "pack": t["pack"],
+            "validate": t["validate"], "send": send_s[0], "send_wait": t["send_wait"], "transfer": t2 - t1,
+            "commit": t3 - t2, "engine_apply": res.apply_seconds, "total": t3 - t0,
+            "entries": len(plan.entries), "buckets": sent, "trainer_host_syncs": c.syncs,
+            "sidecar_host_syncs": sent + 1}
+
+
+def _member_names(m) -> list[str]:
+    if m.entry.layout != "nvfp4":
+        return [m.entry.name]
+    p = m.entry.name.removesuffix(".weight")
+    return [m.entry.name, f"{p}.weight_scale", f"{p}.weight_scale_2"]
+
+
+def count_kernels(fn, device: str) -> int | None:
+    """CUDA kernel launches of `fn()` in this process (torch profiler), None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+SUBSTEPS = ("plan", "convert", "pack", "validate", "send", "send_wait", "commit", "engine_apply", "total")
+
+
+def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:
+    """A markdown table of planned-mode runs: one row per label, seconds per sub-step, then counts;
+    `scale` (48 / layers) adds an "x48 total" column."""
+    head = "| run | " + " | ".join(f"{k} s" for k in SUBSTEPS) + " | x48 total s | entries | buckets | host syncs |"
+    lines = [head, "|---|" + "---:|" * (len(SUBSTEPS) + 4)]
+    for label, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {label} | not available: {r['error']} |" + "|" * (len(SUBSTEPS) + 3))
+            continue
+        cells = [f"{r[k]:.3f}" if k in r else "-" for k in SUBSTEPS]
+        syncs = f"{r.get('trainer_host_syncs', 0)} + {r.get('sidecar_host_syncs', 0)}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {r['total'] * scale:.2f} | {r.get('entries', '-')} | "
+                     f"{r.get('buckets', '-')} | {syncs} |")
+    return "\n".join(lines)
+
+
+def run_planned(args, results: dict) -> None:
+    """The planned mode: its own sidecar (embedded engine on --device) serving a pre-quantized
+    folder written first, then the trainer state, then `--repeats` planned updates."""
+    from nvfp4_sampler.server.plan import TransferPlan
+
+    t0 = time.perf_counter()
+    plan = TransferPlan.build(nvfp4_manifest(CFG), bucket_bytes=args.bucket_bytes)
+    counts = plan_counts(plan) | {"plan_build_s": time.perf_counter() - t0}
+    results["planned-counts"] = counts
+    print(f"plan: {counts}", flush=True)
+    env = {"NVFP4_SAMPLER_DEVICE": args.device} if args.device.startswith("cuda") else {}
+    with tempfile.TemporaryDirectory(prefix="bench-sync-planned-") as tmp, contextlib.ExitStack() as stack:
+        folder = write_nvfp4_folder(CFG, Path(tmp) / "model")
+        srv = stack.enter_context(sidecar(folder, engine="embedded", env=env, log=Path(tmp) / "sidecar.log"))
+        client = stack.enter_context(SamplerClient(srv.url, timeout=3600))
+        (folder / "model.safetensors").unlink()             # the engine holds it now; free the disk
+        state = model_tensors(CFG, args.device)
+        held: dict = {}
+        runs = []
+        for i in range(args.repeats + 1):                   # the first run builds the plan and warms up
+            r = push_planned(client, state, bucket_bytes=args.bucket_bytes, device=args.device,
+                             buffers=args.buffers, held=held)
+            runs.append(r)
+            print(f"planned run {i}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in r.items()), flush=True)
+        if args.profile:
+            results["planned-kernels"] = count_kernels(
+                lambda: push_planned(client, state, bucket_bytes=args.bucket_bytes, device=args.device,
+                                     buffers=args.buffers, held=held), args.device)
+        del state
+    rows = {"planned first (plan built)": runs[0]}
+    rows["planned steady (median)"] = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[1]} \
+        if len(runs) > 1 else runs[0]
+    results["planned"] = rows
+    print(f"\nplanned NVFP4, {args.layers} of 48 layers ({args.experts} experts), {args.buffers} send buffers of "
+          f"{args.bucket_bytes >> 20} MiB; host syncs: trainer + sidecar\n")
+    print(timing_table(rows, scale=FULL_LAYERS / args.layers))
+    if results.get("planned-kernels") is not None:
+        print(f"trainer CUDA kernel launches per update (convert + pack + validate): {results['planned-kernels']}")
+    print(f"goal: whole 30B-A3B (x48) <= 0.5 s including conversion, commit <= 50 ms, <= 600 entries "
+          f"(this plan: {counts['planned_entries']} entries for {args.layers} layers)")
+
+
 def median_runs(fn, repeats: int) -> dict[str, float]:
     runs = [fn() for _ in range(repeats)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -169,7 +435,10 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=2, help="pushes per path (median)")
-    ap.add_argument("--paths", default="http,ipc", help="comma-separated: http, ipc")
+    ap.add_argument("--paths", default="http,ipc", help="comma-separated: http, ipc, planned")
+    ap.add_argument("--bucket-bytes", type=int, default=512 << 20, help="planned: plan bucket size")
+    ap.add_argument("--buffers", type=int, default=2, help="planned: reused send buffers (2: double-buffered)")
+    ap.add_argument("--profile", action="store_true", help="planned: count the trainer's CUDA kernel launches")
     ap.add_argument("--quick", action="store_true", help="CPU check: 1 layer, 8 experts, 1 repeat")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
@@ -177,6 +446,24 @@ def main() -> int:
         args.layers, args.experts, args.repeats = 1, 8, 1
     CFG = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers, "num_experts": args.experts}
     torch.manual_seed(0)
+    paths = [p for p in args.paths.split(",") if p]
+    if "planned" in paths:                                   # before the other paths' state: the whole model fits
+        dev = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else f"CPU x{os.cpu_count()}"
+        print(f"device {dev}; torch {torch.__version__}; planned mode, {args.layers} layers x {args.experts} "
+              f"experts", flush=True)
+        results = {"device": dev, "layers": args.layers, "experts": args.experts}
+        try:
+            run_planned(args, results)
+        except Exception as e:  # noqa: BLE001 - reported, the other paths still run
+            results["planned"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"planned: {results['planned']}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        paths.remove("planned")
+        if not paths:
+            return 0 if "error" not in results["planned"] else 1
+        if args.out:
+            args.out = str(Path(args.out).with_suffix("")) + "-paths.json"
     state = model_tensors(CFG, args.device)
     layer_bytes = sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith("model.layers."))
     dev = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else f"CPU x{os.cpu_count()}"
@@ -190,7 +477,6 @@ def main() -> int:
           f"{bw['copy_s'] / bw['convert_s']:.2f}x of a copy of the same BF16 (goal >= 0.75); device-to-host "
           f"{bw['all_bytes'] / bw['d2h_s'] / 1e9:.1f} GB/s", flush=True)
 
-    paths = [p for p in args.paths.split(",") if p]
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp, contextlib.ExitStack() as stack:
         folder = write_folder(state, CFG, Path(tmp) / "model")
         srv = stack.enter_context(sidecar(folder, engine="embedded", log=Path(tmp) / "sidecar.log"))

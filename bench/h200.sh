@@ -46,6 +46,8 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
     bench_sync) limit=220; cmd="python3 bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json" ;;
+    bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
+                              --out $OUT/bench_sync_planned.json" ;;
     *) echo "unknown step $1" >> "$OUT/steps.txt"; return ;;
     esac
     timeout "$limit" $cmd > "$OUT/$1.log" 2>&1

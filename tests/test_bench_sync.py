@@ -1,0 +1,26 @@
+"""bench/bench_sync.py's planned mode, the parts that need no GPU: the manifest and plan of the
+Qwen3-30B-A3B shape, and the timing table."""
+from __future__ import annotations
+
+from bench import bench_sync as bs
+from nvfp4_sampler.server.plan import TransferPlan
+from tests.test_plan import qwen3_30b_a3b_manifest
+
+
+def test_planned_manifest_of_the_whole_model():
+    cfg = {**bs.QWEN3_30B_A3B, "num_hidden_layers": 48, "vocab_size": 151936}
+    manifest = bs.nvfp4_manifest(cfg)
+    assert [e.model_dump() for e in manifest] == [e.model_dump() for e in qwen3_30b_a3b_manifest()]
+    counts = bs.plan_counts(TransferPlan.build(manifest))
+    assert counts["manifest_entries"] == 18867 and counts["manifest_tensors"] == 56115
+    assert counts["planned_entries"] == 435 and counts["planned_tensors"] == 819
+    assert counts["sidecar_host_syncs"] == counts["buckets"] + 1
+
+
+def test_timing_table():
+    row = {k: 0.5 for k in bs.SUBSTEPS} | {"entries": 12, "buckets": 1, "trainer_host_syncs": 1,
+                                          "sidecar_host_syncs": 2}
+    lines = bs.timing_table({"steady": row, "bad": {"error": "OOM"}}, scale=48).splitlines()
+    assert lines[0].startswith("| run | plan s | convert s") and len(lines) == 4
+    assert lines[2].endswith("| 24.00 | 12 | 1 | 1 + 2 |") and "not available: OOM" in lines[3]
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
