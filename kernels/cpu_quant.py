@@ -68,8 +68,7 @@ def _quantize(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, op_ord
         raise ValueError(f"weight: kernels.cpu_quant runs on CPU tensors, got device {w.device}")
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
-    if recipe not in ("1d", "2d"):
-        raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    reference._check_recipe(recipe)
     if amax is not None and not bool(torch.isfinite(amax).all()):
         raise ValueError(f"amax: must be finite, got {amax.tolist()} (an infinite amax makes the reference's "
                          f"block scales 0 * inf = NaN)")

@@ -21,6 +21,8 @@ import importlib.util
 
 import torch
 
+from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS
+
 from . import cpu_quant, reference
 from .format import BLOCK, NVFP4Tensor
 
@@ -44,8 +46,8 @@ class Requirements:
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
-        if self.scaling not in ("per_token", "per_tensor"):
-            raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {self.scaling!r}")
+        if self.scaling not in ACTIVATION_SCALINGS:
+            raise ValueError(f"scaling must be one of {ACTIVATION_SCALINGS}, got {self.scaling!r}")
 
 
 def _common_checks(req: Requirements) -> tuple[bool, str]:

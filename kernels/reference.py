@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from nvfp4_sampler.sampler_format import OP_ORDERS, WEIGHT_RECIPES
+
 from .format import (BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, GLOBAL_ENCODE_NUMERATOR, SWIZZLE_COLS,
                      SWIZZLE_ROWS, NVFP4Tensor)
 
@@ -52,13 +54,17 @@ def _check_input(x: torch.Tensor, name: str, *, finite: bool = True) -> None:
         raise ValueError(NONFINITE_MESSAGE.format(name=name))
 
 
-OP_ORDERS = ("vllm", "te")
 _TE_ROW_AMAX_FLOOR = 1e-12      # TE's per-token kernel divides by fmaxf(row_amax, 1e-12f)
 
 
 def _check_op_order(op_order: str) -> None:
     if op_order not in OP_ORDERS:
         raise ValueError(f"op_order must be one of {OP_ORDERS}, got {op_order!r}")
+
+
+def _check_recipe(recipe: str) -> None:
+    if recipe not in WEIGHT_RECIPES:
+        raise ValueError(f"recipe must be one of {WEIGHT_RECIPES}, got {recipe!r}")
 
 
 def encode_scale_from_amax(amax: torch.Tensor, *, op_order: str = "vllm") -> torch.Tensor:
@@ -225,12 +231,8 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
     _check_op_order(op_order)
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
-    if recipe == "1d":
-        block_amax = _block_amax_1d(w)
-    elif recipe == "2d":
-        block_amax = _block_amax_2d(w)
-    else:
-        raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    _check_recipe(recipe)
+    block_amax = _block_amax_2d(w) if recipe == "2d" else _block_amax_1d(w)
     if amax is None:
         amax = w.abs().float().amax(dim=(-2, -1))
     s_enc = encode_scale_from_amax(amax, op_order=op_order)                   # [] or [E]

@@ -398,8 +398,7 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     cfg = config or WEIGHT_CONFIG
     if w.dim() not in (2, 3):
         raise ValueError(f"weight must be [N, K] or [E, N, K], got shape {tuple(w.shape)}")
-    if recipe not in ("1d", "2d"):
-        raise ValueError(f"recipe must be '1d' or '2d', got {recipe!r}")
+    reference._check_recipe(recipe)
     _check_rows(w, "weight")
     w3 = (w if w.dim() == 3 else w[None]).contiguous()
     e, n, k = w3.shape

@@ -143,12 +143,3 @@ def test_swizzle_inverse_equals_vllm_convert_swizzled_to_linear(m, k):
     # vLLM slices the columns with the element count K, not K/16: the padded columns stay (zeros)
     assert torch.equal(theirs[:, :k], lin.view(torch.uint8))
     assert not theirs[:, k:].any()
-
-
-def test_format_contract_and_kernels_name_the_same_op_orders():
-    """sampler_format is torch-free and kernels imports nothing of ours, so each spells the op
-    orders out; they must agree (a config the plugin accepts is one the kernels run)."""
-    from nvfp4_sampler import sampler_format
-    from nvfp4_sampler.kernels import reference
-
-    assert sampler_format.OP_ORDERS == reference.OP_ORDERS
