@@ -548,7 +548,7 @@ def _write_fused(storage: NVFP4Tensor, per_row: bool, index: torch.Tensor | None
 
 
 def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *, config: SamplerConfig,
-                tensors: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+                tensors: Mapping[str, torch.Tensor] | None = None, check_only: bool = False) -> list[str]:
     """Write fused entries (and checkpoint-named `tensors`, if any) into a running model, all-or-
     nothing, with the same checks and the same resulting storage as `apply_update` of their members.
 
@@ -558,7 +558,8 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
     shard, an engine that holds the parts apart, a dense tensor) takes the per-tensor checks and
     writes of `apply_update`. Everything is checked before anything is written; ValueError names
     the first bad tensor (the fused entry's tensors are checked in one pass each; on failure the
-    per-tensor check of its members names the checkpoint tensor). Returns the checkpoint names written.
+    per-tensor check of its members names the checkpoint tensor). Returns the checkpoint names written
+    (check_only: checks everything, writes nothing, returns []).
     """
     fast: list[tuple[FusedEntry, tuple]] = []
     rest: dict[str, torch.Tensor] = dict(tensors or {})
@@ -574,6 +575,8 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
             _add_members(rest, fast[i][0])
         fast = [f for i, f in enumerate(fast) if i not in bad]
     checked = _check_update(targets, rest)                    # raises before anything is written
+    if check_only:
+        return []
     for entry, (storage, per_row, index) in fast:
         _write_fused(storage, per_row, index, entry.tensors)
     _write_checked(targets, checked, config=config)
