@@ -30,6 +30,7 @@ from nvfp4_sampler.converters.convert import ConvertOptions, convert, iter_bucke
 from nvfp4_sampler.converters.report import ConvertSummary
 from nvfp4_sampler.converters.sources import StateDictSource, TENVFP4Weight
 from nvfp4_sampler.kernels import dispatch, reference
+from nvfp4_sampler.sampler_format import Recipe
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
@@ -98,8 +99,8 @@ def main() -> None:
     te = te_weights(weights)
     keep_all = ("model.layers.",)
     rows = []
-    for label, tensors, opts in (("bf16-1d", weights, {"recipe": "1d"}), ("bf16-2d", weights, {"recipe": "2d"}),
-                                 ("te-2d", te, {"recipe": "2d"}), ("keep-bf16", weights, {"keep_bf16": keep_all})):
+    for label, tensors, opts in (("bf16-1d", weights, {"recipe": Recipe(weight="1d")}), ("bf16-2d", weights, {"recipe": Recipe(weight="2d")}),
+                                 ("te-2d", te, {"recipe": Recipe(weight="2d")}), ("keep-bf16", weights, {"keep_bf16": keep_all})):
         for report in (True, False):
             if args.device != "cpu":
                 run(tensors, args.device, report=report, **opts)      # warm-up (kernel compilation)
@@ -114,7 +115,7 @@ def main() -> None:
         src.mkdir()
         save_file({n: w.cpu() for n, w in weights.items()}, src / "model.safetensors")
         (src / "config.json").write_text(json.dumps(CONFIG))
-        s = convert(src, Path(tmp) / "dst", ConvertOptions(recipe="2d", report=False, bucket_bytes=64 << 20,
+        s = convert(src, Path(tmp) / "dst", ConvertOptions(recipe=Recipe(weight="2d"), report=False, bucket_bytes=64 << 20,
                                                           device=args.device))
         rows.append({"source": "file bf16-2d (HF folder -> sampler folder)", "report": False,
                      "seconds": round(s.seconds, 3), "cpu": None, "GB/s (BF16-equivalent)": round(s.gb_per_s, 4)})

@@ -84,7 +84,7 @@ def run_vllm(model: Path, seqs: list[list[int]], quantization: str | None, out: 
 def run_torch(model: Path, seqs: list[list[int]], out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+    from nvfp4_sampler.sampler_format import SamplerConfig
     from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,7 +31,7 @@ import torch
 from nvfp4_sampler.diagnostics import gaps, operators as ops
 from nvfp4_sampler.diagnostics.strict import strict
 from nvfp4_sampler.kernels import reference as R
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 
@@ -79,7 +79,7 @@ def models(base, *, moe_experts: tuple[str, ...] = ()) -> dict:
     for scaling in ("per_token", "per_tensor"):
         m = copy.deepcopy(base)
         keep = moe_experts if scaling == "per_tensor" else ()        # MoE kernels are per-token only
-        quantize_model(m, SamplerConfig(activation_scaling=scaling, keep_bf16=keep))
+        quantize_model(m, SamplerConfig(recipe=Recipe(activation_scaling=scaling), keep_bf16=keep))
         memoize_weight_dequantization(m)
         out[scaling] = m
     return out

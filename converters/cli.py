@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nvfp4_sampler.sampler_format.args import add_recipe_args, recipe_from_args
+
 from .convert import DEFAULT_BUCKET_BYTES, ConvertOptions, convert
 from .sources import SafetensorsFolder
 
@@ -18,12 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                     "DST must not exist; nothing appears there unless the conversion succeeds.")
     p.add_argument("src", metavar="SRC", help="source folder (config.json + model.safetensors or shards with index)")
     p.add_argument("dst", metavar="DST", help="destination folder (must not exist)")
-    p.add_argument("--recipe", choices=("1d", "2d"), default="1d",
-                   help="weight block recipe of the learner: 1d = 1x16 blocks, 2d = 16x16 tiles "
-                        "(TransformerEngine NVFP4BlockScaling); default 1d")
-    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
-                   help="quantizer float-op order: vllm (default, the spec) or te (TransformerEngine's, bit "
-                        "for bit; also makes the sampler quantize activations TE's way)")
+    add_recipe_args(p)
     p.add_argument("--shared-group-scale", action="store_true",
                    help="q/k/v and gate/up (per expert) share one second-level scale, as learners that "
                         "quantize fused QKV / gate-up tensors (Megatron) hold them")
@@ -48,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     try:
-        options = ConvertOptions(recipe=args.recipe, op_order=args.op_order, shared_group_scale=args.shared_group_scale,
+        options = ConvertOptions(recipe=recipe_from_args(args), shared_group_scale=args.shared_group_scale,
                                  tp=args.tp, device=args.device, bucket_bytes=args.bucket_bytes,
                                  keep_bf16=tuple(p for p in args.keep_bf16.split(",") if p),
                                  report=not args.no_report)

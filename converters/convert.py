@@ -30,7 +30,7 @@ import torch
 
 from nvfp4_sampler.kernels import cpu_quant, dispatch
 from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
-from nvfp4_sampler.sampler_format import SamplerConfig
+from nvfp4_sampler.sampler_format import SCALE, SCALE_2, WEIGHT, Recipe, SamplerConfig, fused_group, is_nvfp4_weight
 
 from . import name_map, schema
 from .report import ConvertSummary, quantization_report, te_conversion_report
@@ -42,10 +42,9 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
-    """recipe: the learner's weight recipe, "1d" (1x16 blocks) or "2d" (16x16 tiles, TE's).
-    op_order: the quantizers' float-op order, "vllm" (the spec) or "te" (TransformerEngine's, bit
-      for bit); written into the checkpoint's quantization_config, so the sampler quantizes its
-      activations the same way.
+    """recipe: the learner's `Recipe` (weight recipe "1d"/"2d", op order "vllm"/"te", activation
+      scaling); weights are quantized with it, and it is written into the checkpoint's
+      quantization_config, so the sampler quantizes its activations the same way.
     shared_group_scale: float weights that engines fuse (q/k/v, gate/up; per expert) share one
       second-level scale, from the amax of the whole group (`reference.quantize_weight_group`), as
       learners that quantize a fused QKV / gate-up tensor hold them (Megatron + TE). Costs one more
@@ -60,8 +59,7 @@ class ConvertOptions:
     report: compute per-tensor errors (on the CPU in the quantizing pass, elsewhere one dequantize).
     """
 
-    recipe: str = "1d"
-    op_order: str = "vllm"
+    recipe: Recipe = Recipe()
     shared_group_scale: bool = False
     keep_bf16: tuple[str, ...] = ()
     tp: int = 1
@@ -77,12 +75,11 @@ class ConvertOptions:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
-        self.sampler_config()   # validates recipe, op_order and keep_bf16
+        self.sampler_config()   # validates recipe and keep_bf16
 
     def sampler_config(self) -> SamplerConfig:
         """The quantization_config written with the converted weights."""
-        return SamplerConfig(weight_recipe=self.recipe, op_order=self.op_order, keep_bf16=self.keep_bf16,
-                             prequantized=True)
+        return SamplerConfig(recipe=self.recipe, keep_bf16=self.keep_bf16, prequantized=True)
 
 
 class _Converter:
@@ -116,7 +113,7 @@ class _Converter:
 
     def quantized(self, name: str) -> bool:
         """True if sampler tensor `name` is written as an NVFP4 triplet under these options."""
-        return self.options.quantize and schema.is_nvfp4_weight(name, self.config)
+        return self.options.quantize and is_nvfp4_weight(name, self.config)
 
     def outputs(self) -> list[tuple[str, tuple[int, ...], torch.dtype | None]]:
         """(sampler name, logical shape, dtype) of every output, dtype None for NVFP4 triplets
@@ -210,8 +207,8 @@ class _Converter:
                 err_i = None if err is None else cpu_quant.QuantizationError(*(t[i] for t in err))
                 self.summary.reports.append(quantization_report(m.name, w[i], qi, err_i))
             prefix, _ = schema.split_name(m.name)
-            groups.append({f"{prefix}.{schema.WEIGHT}": qi.codes, f"{prefix}.{schema.SCALE}": qi.block_scales,
-                           f"{prefix}.{schema.SCALE_2}": qi.global_scale})
+            groups.append({f"{prefix}.{WEIGHT}": qi.codes, f"{prefix}.{SCALE}": qi.block_scales,
+                           f"{prefix}.{SCALE_2}": qi.global_scale})
         return groups
 
     def _convert(self, name: str, value: SourceValue) -> dict[str, torch.Tensor]:
@@ -240,13 +237,13 @@ class _Converter:
             report = quantization_report(name, w, q, err) if self.options.report else None
         if report is not None:
             self.summary.reports.append(report)
-        return {f"{prefix}.{schema.WEIGHT}": q.codes, f"{prefix}.{schema.SCALE}": q.block_scales,
-                f"{prefix}.{schema.SCALE_2}": q.global_scale}
+        return {f"{prefix}.{WEIGHT}": q.codes, f"{prefix}.{SCALE}": q.block_scales,
+                f"{prefix}.{SCALE_2}": q.global_scale}
 
     def _shared_amax(self, name: str, device: torch.device) -> torch.Tensor | None:
         """max|w| over the fused group of float weight `name` under options.shared_group_scale (read
         from the source once per group, then cached), else None (the weight's own amax)."""
-        group = schema.fused_group(name) if self.options.shared_group_scale else None
+        group = fused_group(name) if self.options.shared_group_scale else None
         if group is None:
             return None
         if group not in self._group_amax:
@@ -270,7 +267,7 @@ class _Converter:
         """NVFP4 of float w ([N, K] or stacked [E, N, K]) under the options, with its error per matrix
         when the report is on and w is on the CPU (`cpu_quant` computes it in the quantizing pass;
         elsewhere `_quant_report` dequantizes). ValueError messages name `what`."""
-        kw = dict(recipe=self.options.recipe, amax=amax, op_order=self.options.op_order)
+        kw = dict(recipe=self.options.recipe.weight, amax=amax, op_order=self.options.recipe.op_order)
         try:
             if self.options.report and w.device.type == "cpu" and self.options.backend in ("auto", "reference"):
                 return cpu_quant.quantize_weight_with_error(w, **kw)

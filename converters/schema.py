@@ -1,7 +1,7 @@
 """The sampler checkpoint layout on disk (docs/ARCHITECTURE.md, "Sampler checkpoint"): file names,
 config.json, expected shapes per architecture, TP split dims. The NVFP4 triplet (names, dtypes,
 shapes) and the rule for which tensors are NVFP4 (`is_nvfp4_weight`) are the format contract's
-(`sampler_format`), re-exported here for the converter.
+(`sampler_format`); import them from there.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from nvfp4_sampler.sampler_format import (BLOCK, COLUMN_PARALLEL, FORMAT_VERSION, LINEARS, ROW_PARALLEL, SCALE, SCALE_2,  # noqa: F401
-                            TRIPLET, TRIPLET_DTYPES, WEIGHT, SamplerConfig, fused_group, is_nvfp4_weight,
-                            triplet_shapes)
+from nvfp4_sampler.sampler_format import (COLUMN_PARALLEL, FORMAT_VERSION, LINEARS, ROW_PARALLEL, SCALE, TRIPLET,
+                                          TRIPLET_DTYPES, WEIGHT, SamplerConfig, triplet_shapes)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

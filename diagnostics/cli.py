@@ -16,11 +16,15 @@ only to exercise the direction shares and the weights, not a reward).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from pathlib import Path
 
 import torch
+
+from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS, Recipe, SamplerConfig
+from nvfp4_sampler.sampler_format.args import add_recipe_args, recipe_from_args
 
 from .operators import compare, decode, teacher_forced
 from .plots import write_plots
@@ -43,11 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input", default=None, help="JSON with logp_sampler, logp_learner[, advantages, masks]")
     p.add_argument("--url", default=None, help="sampler URL (sidecar or vLLM server) to sample from")
     p.add_argument("--model", default=None, help="the learner's BF16 HF folder (with --url)")
-    p.add_argument("--learner", choices=("per_token", "per_tensor", "bf16"), default="per_token",
+    p.add_argument("--learner", choices=(*ACTIVATION_SCALINGS, "bf16"), default="per_token",
                    help="learner-side activation scaling of the W4A4 recompute, or bf16 (no quantization)")
-    p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="learner's weight recipe (2d: TE's)")
-    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
-                   help="learner's quantizer float-op order (te: TransformerEngine's); match the sampler's config")
+    add_recipe_args(p, activation_scaling=False)        # the learner's; match the sampler's config
     p.add_argument("--prompts", type=int, default=4, help="number of built-in prompts to sample (with --url)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -58,17 +60,16 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def load_learner(model_dir: str | Path, scaling: str, *, recipe: str = "1d", op_order: str = "vllm"):
-    """The learner-side model: BF16 transformers, W4A4 with `scaling` activations, weights in `recipe`
-    and both quantized in `op_order` (SamplerConfig's options), unless scaling == "bf16"."""
+def load_learner(model_dir: str | Path, recipe: Recipe | None):
+    """The learner-side model: BF16 transformers, W4A4 quantized with `recipe` (weights and
+    activations, `sampler_plugin.torch_modules.quantize_model`), or plain BF16 when recipe is None."""
     from transformers import AutoModelForCausalLM
 
-    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
     from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    if scaling != "bf16":
-        quantize_model(model, SamplerConfig(activation_scaling=scaling, weight_recipe=recipe, op_order=op_order))
+    if recipe is not None:
+        quantize_model(model, SamplerConfig(recipe=recipe))
     return model
 
 
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(args.model)
         prompts = (PROMPTS * (args.prompts // len(PROMPTS) + 1))[:args.prompts]
         samples = sample(args.url, tok, prompts, max_tokens=args.max_tokens, seed=args.seed)
-        learner = load_learner(args.model, args.learner, recipe=args.recipe, op_order=args.op_order)
+        recipe = recipe_from_args(args)
+        learner = load_learner(args.model, None if args.learner == "bf16" else
+                               dataclasses.replace(recipe, activation_scaling=args.learner))
         seqs = [p + r for p, r, _ in samples]
         pi_rows = learner_logprobs(learner, seqs, [len(p) for p, _, _ in samples])
         mu_rows, masks = [lp for _, _, lp in samples], None
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             rng = random.Random(args.seed)
             adv = [rng.choice((-1.0, 1.0)) for _ in samples]
         if args.operators:
-            sampler = load_learner(args.model, "per_token", recipe=args.recipe, op_order=args.op_order)
+            sampler = load_learner(args.model, recipe)
             ops = {}
             for i, s in enumerate(seqs):
                 for name, row in compare(sampler, teacher_forced(learner, s), decode(sampler, s), sequence=i).items():

@@ -83,8 +83,8 @@ class Recorder:
         def hook(module, args, kwargs, out):
             x = args[0] if args else kwargs["hidden_states"]
             x2 = x.detach().reshape(-1, x.shape[-1])
-            self.calls.setdefault(name, []).append(Quantized.of(x2, scaling=module.config.activation_scaling,
-                                                                op_order=module.config.op_order))
+            self.calls.setdefault(name, []).append(Quantized.of(x2, scaling=module.config.recipe.activation_scaling,
+                                                                op_order=module.config.recipe.op_order))
             if isinstance(module, NVFP4Experts):
                 ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
                 w = args[2] if len(args) > 2 else kwargs["top_k_weights"]
@@ -179,7 +179,7 @@ def _expert_outputs(module: NVFP4Experts, x: torch.Tensor, tok: torch.Tensor, ex
     for e in expert.unique().tolist():
         sel = (expert == e).nonzero()[:, 0]
         ids = torch.full((sel.numel(), 1), e, dtype=torch.long)
-        out[sel] = R.moe(x[tok[sel]], w13, w2, torch.ones(sel.numel(), 1), ids, op_order=module.config.op_order).float()
+        out[sel] = R.moe(x[tok[sel]], w13, w2, torch.ones(sel.numel(), 1), ids, op_order=module.config.recipe.op_order).float()
     return out
 
 

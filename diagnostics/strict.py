@@ -49,13 +49,13 @@ def strict_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 def _strict_linear(self: NVFP4Linear, x: torch.Tensor) -> torch.Tensor:
     return R.linear(x, NVFP4Tensor(self.codes, self.block_scales, self.global_scale), bias=self.bias,
-                    scaling=self.config.activation_scaling, accumulate="fp64", op_order=self.config.op_order)
+                    scaling=self.config.recipe.activation_scaling, accumulate="fp64", op_order=self.config.recipe.op_order)
 
 
 def _strict_experts(self: NVFP4Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     return R.moe(hidden_states, NVFP4Tensor(*self.w13), NVFP4Tensor(*self.w2), top_k_weights, top_k_index,
-                 accumulate="fp64", op_order=self.config.op_order)
+                 accumulate="fp64", op_order=self.config.recipe.op_order)
 
 
 @contextlib.contextmanager

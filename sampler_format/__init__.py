@@ -9,7 +9,8 @@ with a logical weight [N, K] is stored as the NVFP4 triplet (TRIPLET, dtypes as 
 Which tensors are NVFP4: `is_nvfp4_weight(name, config)`, the weight of a linear in LINEARS whose
 module `should_quantize` (not lm_head, embeddings, MoE routers, nor a `keep_bf16` prefix); every
 other tensor keeps its name, dtype and shape. The checkpoint's config.json carries
-`quantization_config = SamplerConfig(...).to_dict()`.
+`quantization_config = SamplerConfig(...).to_dict()`, its `Recipe` (how weights and activations are
+quantized) flattened into the keys `weight_recipe`, `op_order`, `activation_scaling`.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from typing import Any
 
 METHOD_NAME = "nvfp4_sampler"
 FORMAT_VERSION = 1
+WEIGHT_RECIPES = ("1d", "2d")                   # 1x16 blocks; 16x16 tiles (TransformerEngine's weights)
+OP_ORDERS = ("vllm", "te")                      # quantizer float-op orders (kernels.reference): vLLM's, TE's
 ACTIVATION_SCALINGS = ("per_token", "per_tensor")
-WEIGHT_RECIPES = ("1d", "2d")
-OP_ORDERS = ("vllm", "te")      # quantizer float-op orders (kernels.reference): vLLM's, TransformerEngine's
 
 BLOCK = 16                                          # elements per E4M3 block scale, along K
 WEIGHT, SCALE, SCALE_2 = "weight", "weight_scale", "weight_scale_2"
@@ -48,33 +49,59 @@ def triplet_names(prefix: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplerConfig:
-    """activation_scaling: "per_token" (default; a token's codes ignore its batch neighbours) or
-    "per_tensor" (dynamic, one scale per batch: for comparison only).
-    weight_recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles, TransformerEngine's weight recipe).
+class Recipe:
+    """How weights and activations are quantized: the learner's recipe, which the sampler must match.
+
+    weight: "1d" (1x16 blocks, default) or "2d" (16x16 tiles, TransformerEngine's weight recipe).
     op_order: the quantizers' float-op order, "vllm" (default, vLLM's NVFP4 reference) or "te"
-      (TransformerEngine's, bit for bit: a TE learner's codes for weights quantized on arrival and
-      for activations). With weight_recipe "2d" and per_token activations it is TE's recipe.
+      (TransformerEngine's, bit for bit: a TE learner's codes for weights and activations).
+    activation_scaling: "per_token" (default; a token's codes ignore its batch neighbours) or
+      "per_tensor" (dynamic, one scale per batch: for comparison only).
+    TE's recipe is `Recipe(weight="2d", op_order="te")`. Allowed values: WEIGHT_RECIPES, OP_ORDERS,
+    ACTIVATION_SCALINGS. On disk (`to_json`) the keys are `weight_recipe`, `op_order`,
+    `activation_scaling` of `quantization_config`.
+    """
+
+    weight: str = "1d"
+    op_order: str = "vllm"
+    activation_scaling: str = "per_token"
+
+    def __post_init__(self):
+        for field, allowed in (("weight", WEIGHT_RECIPES), ("op_order", OP_ORDERS),
+                               ("activation_scaling", ACTIVATION_SCALINGS)):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"{METHOD_NAME}: recipe {_JSON_KEYS[field]} must be one of {allowed}, got {value!r}")
+
+    def to_json(self) -> dict[str, str]:
+        """The recipe's `quantization_config` keys: {"weight_recipe", "op_order", "activation_scaling"}."""
+        return {key: getattr(self, field) for field, key in _JSON_KEYS.items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Recipe":
+        """The recipe from `quantization_config` keys (missing keys: defaults; other keys ignored)."""
+        return cls(**{field: d[key] for field, key in _JSON_KEYS.items() if key in d})
+
+
+_JSON_KEYS = {"weight": "weight_recipe", "op_order": "op_order", "activation_scaling": "activation_scaling"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """recipe: the `Recipe` (weight recipe, op order, activation scaling) the sampler quantizes with.
     keep_bf16: module-name prefixes left unquantized, on top of lm_head, embeddings and MoE routers.
     backend: "auto" or a kernels.dispatch backend name.
     prequantized: True when the checkpoint holds NVFP4 codes and scales (written by the converter).
     """
 
-    activation_scaling: str = "per_token"
-    weight_recipe: str = "1d"
-    op_order: str = "vllm"
+    recipe: Recipe = Recipe()
     keep_bf16: tuple[str, ...] = ()
     backend: str = "auto"
     prequantized: bool = False
 
     def __post_init__(self):
-        if self.activation_scaling not in ACTIVATION_SCALINGS:
-            raise ValueError(f"{METHOD_NAME}: activation_scaling must be one of {ACTIVATION_SCALINGS}, "
-                             f"got {self.activation_scaling!r}")
-        if self.weight_recipe not in WEIGHT_RECIPES:
-            raise ValueError(f"{METHOD_NAME}: weight_recipe must be one of {WEIGHT_RECIPES}, got {self.weight_recipe!r}")
-        if self.op_order not in OP_ORDERS:
-            raise ValueError(f"{METHOD_NAME}: op_order must be one of {OP_ORDERS}, got {self.op_order!r}")
+        if not isinstance(self.recipe, Recipe):
+            raise ValueError(f"{METHOD_NAME}: recipe must be a Recipe, got {self.recipe!r}")
         if isinstance(self.keep_bf16, str) or not all(isinstance(p, str) for p in self.keep_bf16):
             raise ValueError(f"{METHOD_NAME}: keep_bf16 must be a list of module-name prefixes, got {self.keep_bf16!r}")
         object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
@@ -89,19 +116,20 @@ class SamplerConfig:
         version = d.pop("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
             raise ValueError(f"{METHOD_NAME}: format_version {version} is not supported (this build reads {FORMAT_VERSION})")
-        fields = {f.name for f in dataclasses.fields(cls)}
+        recipe = Recipe.from_json({k: d.pop(k) for k in _JSON_KEYS.values() if k in d})
+        fields = {f.name for f in dataclasses.fields(cls)} - {"recipe"}
         unknown = sorted(set(d) - fields)
         if unknown:
-            raise ValueError(f"{METHOD_NAME}: unknown quantization_config option(s) {unknown}; known: {sorted(fields)}")
+            raise ValueError(f"{METHOD_NAME}: unknown quantization_config option(s) {unknown}; "
+                             f"known: {sorted(fields | set(_JSON_KEYS.values()))}")
         if "keep_bf16" in d and isinstance(d["keep_bf16"], list):
             d["keep_bf16"] = tuple(d["keep_bf16"])
-        return cls(**d)
+        return cls(recipe=recipe, **d)
 
     def to_dict(self) -> dict[str, Any]:
         """The `quantization_config` dict written into a sampler checkpoint's config.json."""
-        d = dataclasses.asdict(self)
-        d["keep_bf16"] = list(self.keep_bf16)
-        return {"quant_method": METHOD_NAME, "format_version": FORMAT_VERSION, **d}
+        return {"quant_method": METHOD_NAME, "format_version": FORMAT_VERSION, **self.recipe.to_json(),
+                "keep_bf16": list(self.keep_bf16), "backend": self.backend, "prequantized": self.prequantized}
 
 
 def should_quantize(prefix: str, config: SamplerConfig) -> bool:

@@ -37,9 +37,9 @@ from collections.abc import Iterator
 import torch
 
 from nvfp4_sampler.kernels import NVFP4Tensor
+from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
 from . import layers
-from .config import METHOD_NAME, SamplerConfig
 from .policy import quantized_linear_shards
 
 
@@ -266,9 +266,9 @@ class ExpertsCore(LayerCore):
     def create_experts(self, layer: torch.nn.Module, *, num_experts: int, hidden: int, inter: int,
                        tp_rank: int = 0, tp_size: int = 1) -> None:
         """Register the expert parameters (`inter`: the intermediate size on this rank) and choose the backend."""
-        if self.config.activation_scaling != "per_token":
+        if self.config.recipe.activation_scaling != "per_token":
             raise ValueError(f"nvfp4_sampler: {self.prefix}: MoE experts support activation_scaling="
-                             f"'per_token' only, got {self.config.activation_scaling!r}")
+                             f"'per_token' only, got {self.config.recipe.activation_scaling!r}")
         w13 = layers.create_weight(2 * inter, hidden, experts=num_experts, name=f"{self.prefix}.*.gate_proj/up_proj")
         w2 = layers.create_weight(hidden, inter, experts=num_experts, global_per_row=False,
                                   name=f"{self.prefix}.*.down_proj (intermediate size per tensor-parallel rank)")

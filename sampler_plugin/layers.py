@@ -27,9 +27,8 @@ import torch.distributed._functional_collectives as funcol
 
 from nvfp4_sampler.kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
 from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
-from nvfp4_sampler.sampler_format import TRIPLET, TRIPLET_DTYPES, triplet_shapes
+from nvfp4_sampler.sampler_format import TRIPLET, TRIPLET_DTYPES, SamplerConfig, triplet_shapes
 
-from .config import SamplerConfig
 
 KINDS = TRIPLET                                     # weight, weight_scale, weight_scale_2 (sampler_format)
 _NVFP4_DTYPES = {kind: getattr(torch, TRIPLET_DTYPES[kind]) for kind in TRIPLET}
@@ -195,7 +194,7 @@ def _dst(dst: NVFP4Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor, to
 def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, config: SamplerConfig) -> None:
     """Write checkpoint tensor `shard.name.kind` (validated here) into its rows of dst, in place.
 
-    A float `weight` is quantized with config.weight_recipe and config.op_order using the amax of the
+    A float `weight` is quantized with config.recipe.weight and config.recipe.op_order using the amax of the
     whole checkpoint tensor (so tensor-parallel slices agree) and fills all three storage tensors.
     On `meta` storage the same views are written shape-only (nothing of `tensor` read but its dtype
     and shape): vLLM's layerwise reload runs every weight loader on meta copies first and counts
@@ -205,7 +204,7 @@ def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, co
     validate(shard, kind, tensor)
     codes, scales, gs = _dst(dst, shard)
     online = kind == "weight" and tensor.dtype in _FLOAT_DTYPES
-    if online and config.weight_recipe == "2d" and (shard.src_rows.start or 0) % BLOCK:
+    if online and config.recipe.weight == "2d" and (shard.src_rows.start or 0) % BLOCK:
         raise ValueError(f"nvfp4_sampler: {shard.tensor_name(kind)}: the 2d recipe needs tensor-parallel row "
                          f"slices that start on a {BLOCK}-row tile, got row {shard.src_rows.start}")
     if codes.is_meta:
@@ -217,8 +216,8 @@ def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, co
     tensor = tensor.to(codes.device)
     if online:
         part = tensor[shard.src_rows, shard.src_cols]
-        q = dispatch.quantize_weight_on(part, recipe=config.weight_recipe, amax=tensor.abs().float().amax(),
-                                        op_order=config.op_order, backend=config.backend)
+        q = dispatch.quantize_weight_on(part, recipe=config.recipe.weight, amax=tensor.abs().float().amax(),
+                                        op_order=config.recipe.op_order, backend=config.backend)
         codes.copy_(q.codes)
         scales.copy_(q.block_scales)
         gs.copy_(q.global_scale.reshape(()).expand_as(gs))
@@ -290,7 +289,7 @@ def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.d
     RuntimeError naming the layer and every backend's reason if none can serve it (or the one
     `config.backend` forces cannot).
     """
-    req = dispatch.Requirements(op, scaling=config.activation_scaling, amax_override=tp_amax, k=k)
+    req = dispatch.Requirements(op, scaling=config.recipe.activation_scaling, amax_override=tp_amax, k=k)
     try:
         return dispatch.choose_backend(device, config.backend, req=req).name
     except (RuntimeError, ValueError) as e:
@@ -312,14 +311,14 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
     """
     amax = None
     if tp_group is not None:
-        per_token = config.activation_scaling == "per_token"
+        per_token = config.recipe.activation_scaling == "per_token"
         amax = x.abs().float().amax(-1) if per_token else x.abs().float().amax()
         amax = funcol.all_reduce(amax, "max", tp_group)
     if backend is None:
         backend = choose_backend(config, op="linear", name="linear", device=x.device, k=x.shape[-1],
                                  tp_amax=amax is not None)
     return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax,
-                                          scaling=config.activation_scaling, op_order=config.op_order,
+                                          scaling=config.recipe.activation_scaling, op_order=config.recipe.op_order,
                                           backend=backend)
 
 
@@ -330,7 +329,7 @@ def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: 
     if backend is None:
         backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1])
     return torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
-                                       w2.global_scale, topk_weights, topk_ids, op_order=config.op_order,
+                                       w2.global_scale, topk_weights, topk_ids, op_order=config.recipe.op_order,
                                        backend=backend)
 
 

@@ -1,9 +1,7 @@
 """Which modules nvfp4_sampler quantizes: the one rule shared by every engine adapter."""
 from __future__ import annotations
 
-from nvfp4_sampler.sampler_format import ALWAYS_BF16_SUFFIXES, should_quantize  # noqa: F401  (the rule lives in the contract)
-
-from .config import SamplerConfig
+from nvfp4_sampler.sampler_format import SamplerConfig, should_quantize
 
 
 def fused_shard_names(prefix: str, packed_modules_mapping: dict[str, list[str]]) -> list[str]:

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from nvfp4_sampler.kernels import NVFP4Tensor
+from nvfp4_sampler.sampler_format import SamplerConfig, should_quantize
 
 from . import layers
-from .config import SamplerConfig
-from .policy import should_quantize
 
 
 class NVFP4Linear(nn.Module):
@@ -31,7 +30,7 @@ class NVFP4Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig) -> "NVFP4Linear":
-        """Quantize `linear` (checkpoint prefix `name`) with config.weight_recipe and config.op_order."""
+        """Quantize `linear` (checkpoint prefix `name`) with config.recipe.weight and config.recipe.op_order."""
         n, k = linear.weight.shape
         w = layers.create_weight(n, k, device=linear.weight.device, name=name)
         layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)

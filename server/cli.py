@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from nvfp4_sampler.sampler_format.args import add_recipe_args, recipe_from_args
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -54,8 +56,8 @@ def _push(args: argparse.Namespace) -> int:
     from .client import SamplerClient
 
     with SamplerClient(args.url, token=args.token, retries=args.retries) as c:
-        res = c.push(args.source, layout=args.layout, version=args.version, recipe=args.recipe,
-                     op_order=args.op_order, shared_group_scale=args.shared_group_scale, device=args.device,
+        res = c.push(args.source, layout=args.layout, version=args.version, recipe=recipe_from_args(args),
+                     shared_group_scale=args.shared_group_scale, device=args.device,
                      bucket_bytes=args.bucket_bytes)
     print(json.dumps(res.to_dict(), indent=2))
     return 0
@@ -105,9 +107,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--layout", choices=("nvfp4", "bf16"), default="nvfp4",
                    help="nvfp4: convert here and send NVFP4 (default); bf16: send BF16, the sampler quantizes")
     p.add_argument("--version", type=int, default=None, help="target weight version (default: current + 1)")
-    p.add_argument("--recipe", choices=("1d", "2d"), default="1d", help="weight recipe of the conversion")
-    p.add_argument("--op-order", choices=("vllm", "te"), default="vllm",
-                   help="quantizer float-op order of the conversion (te: TransformerEngine's)")
+    add_recipe_args(p, activation_scaling=False)        # the conversion's weight recipe and op order
     p.add_argument("--shared-group-scale", action="store_true",
                    help="q/k/v and gate/up share one second-level scale (as fused-QKV learners hold them)")
     p.add_argument("--device", default=None, help="where to convert (e.g. cuda; default: cpu, where files are read)")

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from nvfp4_sampler.sampler_format import Recipe
+
 from . import push as push_pipeline
 from .protocol import (BINARY_LOGPROBS_CONTENT_TYPE, FRAMES_CONTENT_TYPE, BeginRequest, CommitResult,
                        LogprobsRequest, LogprobsResponse, TensorEntry, UpdateStatus, VersionInfo,
@@ -155,7 +157,7 @@ class SamplerClient:
 
     # ------------------------------------------------------------------ push
     def push(self, source: str | Path | Tensors | Iterable[tuple[str, torch.Tensor]], *, layout: str = "nvfp4",
-             version: int | None = None, config: dict | None = None, recipe: str = "1d", op_order: str = "vllm",
+             version: int | None = None, config: dict | None = None, recipe: Recipe = Recipe(),
              shared_group_scale: bool = False, device: str | None = None,
              bucket_bytes: int = push_pipeline.DEFAULT_BUCKET_BYTES, progress: bool = True) -> PushResult:
         """Push weights as one transaction and commit it, streaming bucket by bucket.
@@ -165,14 +167,14 @@ class SamplerClient:
         layout "nvfp4": quantized linears are converted here (`converters.iter_buckets`; needs the HF
           `config` dict for in-memory sources, a folder has its config.json) and sent as NVFP4 triplets.
         layout "bf16": float tensors are sent as BF16 and the sampler quantizes them on arrival.
-        recipe, op_order, shared_group_scale: the conversion's (`converters.ConvertOptions`; match the
-        learner's quantization).
+        recipe: the learner's `sampler_format.Recipe` (weight recipe, op order) the conversion quantizes
+        with; shared_group_scale: one second-level scale per fused group (`converters.ConvertOptions`).
         device: where tensors are converted (default: where each lives). version: the target version
         (default: current + 1). Dropped bodies are resumed: after an error the client asks for the
         missing tensors and converts and re-sends only those (`retries` times).
         """
         t0 = time.perf_counter()
-        plan = push_pipeline.plan(source, layout=layout, config=config, recipe=recipe, op_order=op_order,
+        plan = push_pipeline.plan(source, layout=layout, config=config, recipe=recipe,
                                   shared_group_scale=shared_group_scale, device=device, bucket_bytes=bucket_bytes)
         target = version if version is not None else self.version().weight_version + 1
         st = self.begin(target, list(plan.entries.values()))

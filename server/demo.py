@@ -21,7 +21,7 @@ import torch
 
 from nvfp4_sampler.converters.smollm2 import smollm2
 from nvfp4_sampler.diagnostics.gaps import gap_metrics, tail_metrics
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 from .client import SamplerClient
@@ -156,7 +156,7 @@ def run(*, engine: str = "auto", port: int | None = None, workdir: str | None = 
         layered = {"BF16": ref1}
         for label, scaling in (("NVFP4 per-token", "per_token"), ("NVFP4 per-tensor", "per_tensor")):
             q = copy.deepcopy(learner)
-            quantize_model(q, SamplerConfig(activation_scaling=scaling))
+            quantize_model(q, SamplerConfig(recipe=Recipe(activation_scaling=scaling)))
             layered[label] = _learner_logprobs(q, seqs, PROMPT_TOKENS)
         after = oa.chat.completions.with_raw_response.create(
             model=model_id, messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0)

@@ -23,6 +23,7 @@ import torch
 
 from nvfp4_sampler.converters.convert import ConvertOptions, iter_buckets, output_specs
 from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource
+from nvfp4_sampler.sampler_format import Recipe
 
 from .protocol import TensorEntry
 from .wire import WIRE_DTYPES, encode_frame
@@ -47,7 +48,7 @@ class Plan:
 
 
 def plan(source: str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-         layout: str = "nvfp4", config: dict | None = None, recipe: str = "1d", op_order: str = "vllm",
+         layout: str = "nvfp4", config: dict | None = None, recipe: Recipe = Recipe(),
          shared_group_scale: bool = False, device: str | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """The manifest of pushing `source` (a HF folder, a checkpoint-named mapping, or (name, tensor)
@@ -56,7 +57,7 @@ def plan(source: str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, t
     layout "nvfp4": quantized linears become NVFP4 triplets (converted on `device`, default where each
     tensor lives), other tensors go dense in their dtype; "bf16": every tensor goes dense as BF16 and
     the sampler quantizes on arrival. config: the model's HF config dict (a folder has config.json).
-    recipe, op_order, shared_group_scale: the conversion's (`converters.ConvertOptions`).
+    recipe (a `sampler_format.Recipe`), shared_group_scale: the conversion's (`converters.ConvertOptions`).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -71,8 +72,8 @@ def plan(source: str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, t
             if dtype not in _DENSE:
                 raise ValueError(f"{name}: layout bf16 needs float tensors, got {dtype or 'NVFP4'}; "
                                  f"push NVFP4 sources with layout nvfp4")
-    options = ConvertOptions(recipe=recipe, op_order=op_order, shared_group_scale=shared_group_scale, device=device, bucket_bytes=bucket_bytes, report=False,
-                             quantize=layout == "nvfp4")
+    options = ConvertOptions(recipe=recipe, shared_group_scale=shared_group_scale, device=device,
+                             bucket_bytes=bucket_bytes, report=False, quantize=layout == "nvfp4")
     entries = {}
     for name, shape, dtype in output_specs(src, options):
         if dtype is None:

@@ -107,7 +107,7 @@ def write_prequantized(src: str | os.PathLike, dst: str | os.PathLike, *, config
         for name, t in load_file(f).items():
             prefix = name.removesuffix(".weight")
             if is_nvfp4_weight(name, config):
-                q = quantize_weight(t, recipe=config.weight_recipe)
+                q = quantize_weight(t, recipe=config.recipe.weight)
                 out.update({name: q.codes, f"{prefix}.weight_scale": q.block_scales,
                             f"{prefix}.weight_scale_2": q.global_scale})
             else:

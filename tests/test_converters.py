@@ -17,7 +17,7 @@ from nvfp4_sampler.converters.report import te_conversion_report
 from nvfp4_sampler.converters.sources import SafetensorsFolder, StateDictSource, TENVFP4Weight
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.kernels.format import NVFP4Tensor
-from nvfp4_sampler.sampler_format import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig, is_nvfp4_weight
 from nvfp4_sampler.testing.models import tiny_qwen3, tiny_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def _learner(weights: dict[str, torch.Tensor], recipe: str, *, swizzled: bool = 
     """What a TE learner holds: NVFP4 linears quantized with `recipe` (per-tensor amax), the rest BF16."""
     out = {}
     for name, w in weights.items():
-        if schema.is_nvfp4_weight(name, SamplerConfig()):
+        if is_nvfp4_weight(name, SamplerConfig()):
             out[name] = _te_layout(reference.quantize_weight(w, recipe=recipe), w.abs().float().amax(), swizzled=swizzled)
         else:
             out[name] = w
@@ -85,7 +85,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_te_nvfp4_converts_with_zero_bits_changed(tmp_path, recipe, swizzled):
     weights = _weights()
     learner = _learner(weights, recipe, swizzled=swizzled)
-    summary = convert(StateDictSource(learner, config=CONFIG), tmp_path / "out", ConvertOptions(recipe=recipe))
+    summary = convert(StateDictSource(learner, config=CONFIG), tmp_path / "out", ConvertOptions(recipe=Recipe(weight=recipe)))
     out = _read(tmp_path / "out")
     for name, te in learner.items():
         if not isinstance(te, TENVFP4Weight):
@@ -124,8 +124,8 @@ def test_conversion_report_counts_changed_bits(swizzled):
 @pytest.mark.parametrize("recipe", ["1d", "2d"])
 def test_bf16_masters_with_learner_recipe_reproduce_learner_weights(tmp_path, recipe):
     weights = _weights(seed=3)
-    convert(StateDictSource(_learner(weights, recipe), config=CONFIG), tmp_path / "te", ConvertOptions(recipe=recipe))
-    summary = convert(StateDictSource(weights, config=CONFIG), tmp_path / "bf16", ConvertOptions(recipe=recipe))
+    convert(StateDictSource(_learner(weights, recipe), config=CONFIG), tmp_path / "te", ConvertOptions(recipe=Recipe(weight=recipe)))
+    summary = convert(StateDictSource(weights, config=CONFIG), tmp_path / "bf16", ConvertOptions(recipe=Recipe(weight=recipe)))
     te, bf16 = _read(tmp_path / "te"), _read(tmp_path / "bf16")
     assert sorted(te) == sorted(bf16)
     assert all(_bits_equal(te[n], bf16[n]) for n in te)
@@ -143,7 +143,7 @@ def test_te_op_order_reproduces_a_te_learner_and_is_recorded(tmp_path):
     op_order="te"), and the checkpoint's quantization_config says so, so the sampler quantizes
     activations the same way."""
     weights = _weights(seed=4)
-    convert(StateDictSource(weights, config=CONFIG), tmp_path / "te", ConvertOptions(recipe="2d", op_order="te"))
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "te", ConvertOptions(recipe=Recipe(weight="2d", op_order="te")))
     out = _read(tmp_path / "te")
     differs = 0
     for leaf in LINEARS:
@@ -162,8 +162,8 @@ def test_te_op_order_reproduces_a_te_learner_and_is_recorded(tmp_path):
 def test_other_recipe_does_not_reproduce_a_2d_learner(tmp_path):
     """The seed's conversion error: re-quantizing 2D-learned weights with 1D scales changes codes."""
     weights = _weights(seed=4)
-    convert(StateDictSource(_learner(weights, "2d"), config=CONFIG), tmp_path / "te", ConvertOptions(recipe="2d"))
-    convert(StateDictSource(weights, config=CONFIG), tmp_path / "bf16", ConvertOptions(recipe="1d"))
+    convert(StateDictSource(_learner(weights, "2d"), config=CONFIG), tmp_path / "te", ConvertOptions(recipe=Recipe(weight="2d")))
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "bf16", ConvertOptions(recipe=Recipe(weight="1d")))
     te, bf16 = _read(tmp_path / "te"), _read(tmp_path / "bf16")
     assert not _bits_equal(te["model.layers.0.mlp.gate_proj.weight_scale"],
                            bf16["model.layers.0.mlp.gate_proj.weight_scale"])
@@ -177,7 +177,7 @@ def moe_folder(tmp_path_factory) -> Path:
 
 
 def test_layout_and_config_round_trip(tmp_path, moe_folder):
-    options = ConvertOptions(recipe="2d", keep_bf16=("model.layers.1.self_attn",), bucket_bytes=100_000)
+    options = ConvertOptions(recipe=Recipe(weight="2d"), keep_bf16=("model.layers.1.self_attn",), bucket_bytes=100_000)
     summary = convert(moe_folder, tmp_path / "out", options)
     out_dir = tmp_path / "out"
     cfg = json.loads((out_dir / "config.json").read_text())
@@ -193,7 +193,7 @@ def test_layout_and_config_round_trip(tmp_path, moe_folder):
         assert f.metadata()["nvfp4_sampler_format_version"] == "1"
     out, src = _read(out_dir), SafetensorsFolder(moe_folder)
     for name, shape, dtype in src.specs():
-        if schema.is_nvfp4_weight(name, options.sampler_config()):
+        if is_nvfp4_weight(name, options.sampler_config()):
             prefix = name.removesuffix(".weight")
             for n, spec in schema.quantized_specs(prefix, *shape).items():
                 assert (out[n].dtype, tuple(out[n].shape)) == (spec.dtype, spec.shape), n
@@ -231,7 +231,7 @@ def test_shared_group_scale_equals_quantize_weight_group(tmp_path):
     weights = _weights(seed=5)
     for op_order in ("vllm", "te"):
         out_dir = tmp_path / op_order
-        options = ConvertOptions(shared_group_scale=True, op_order=op_order)
+        options = ConvertOptions(shared_group_scale=True, recipe=Recipe(op_order=op_order))
         convert(StateDictSource(weights, config=CONFIG), out_dir, options)
         out = _read(out_dir)
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
@@ -482,7 +482,7 @@ def test_cli_error_is_clear_and_nonzero(tmp_path):
 @pytest.mark.parametrize("recipe", ["1d", "2d"])
 def test_cuda_conversion_is_bit_identical_to_cpu(tmp_path, recipe):
     weights = _weights(seed=7)
-    convert(StateDictSource(weights, config=CONFIG), tmp_path / "cpu", ConvertOptions(recipe=recipe))
-    convert(StateDictSource(weights, config=CONFIG), tmp_path / "gpu", ConvertOptions(recipe=recipe, device="cuda"))
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "cpu", ConvertOptions(recipe=Recipe(weight=recipe)))
+    convert(StateDictSource(weights, config=CONFIG), tmp_path / "gpu", ConvertOptions(recipe=Recipe(weight=recipe), device="cuda"))
     cpu, gpu = _read(tmp_path / "cpu"), _read(tmp_path / "gpu")
     assert sorted(cpu) == sorted(gpu) and all(_bits_equal(cpu[n], gpu[n]) for n in cpu)

@@ -29,7 +29,7 @@ def engines(request, tmp_path_factory):
     """(online, converted) prompt log-probs and greedy tokens of one model."""
     d = tmp_path_factory.mktemp(request.param)
     src = models.tiny_qwen3_moe(d / "bf16") if request.param == "tiny_qwen3_moe" else models.smollm2()
-    summary = convert(src, d / "converted", ConvertOptions(recipe="1d"))
+    summary = convert(src, d / "converted", ConvertOptions())
     ids = token_ids(src)
     online = _run(src, ids, quantization="nvfp4_sampler")
     converted = _run(d / "converted", ids)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nvfp4_sampler.diagnostics import operators as ops
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 
@@ -55,7 +55,7 @@ def moe_models():
     quantize_model(per_token, SamplerConfig())
     per_tensor = copy.deepcopy(base)
     experts = tuple(f"model.layers.{i}.mlp.experts" for i in range(2))     # MoE kernels are per-token only
-    quantize_model(per_tensor, SamplerConfig(activation_scaling="per_tensor", keep_bf16=experts))
+    quantize_model(per_tensor, SamplerConfig(recipe=Recipe(activation_scaling="per_tensor"), keep_bf16=experts))
     tokens = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     return per_token, per_tensor, tokens
 
@@ -122,13 +122,13 @@ def test_diagnose_learner_takes_the_recipe(tmp_path):
     from nvfp4_sampler.testing import models
 
     path = models.tiny_qwen3(tmp_path / "m", seed=3)
-    learner = load_learner(path, "per_token", recipe="2d", op_order="te")
-    plain = load_learner(path, "bf16")
+    learner = load_learner(path, Recipe(weight="2d", op_order="te"))
+    plain = load_learner(path, None)
     name = "model.layers.0.mlp.down_proj"
     layer, w = learner.get_submodule(name), plain.get_submodule(name).weight
-    assert layer.config.op_order == "te" and layer.config.weight_recipe == "2d"
+    assert layer.config.recipe == Recipe(weight="2d", op_order="te")
     want = reference.quantize_weight(w, recipe="2d", op_order="te")
     assert torch.equal(layer.codes, want.codes) and torch.equal(layer.global_scale, want.global_scale.expand(w.shape[0]))
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    got = ops.Quantized.of(x, scaling="per_token", op_order=layer.config.op_order)
+    got = ops.Quantized.of(x, scaling="per_token", op_order=layer.config.recipe.op_order)
     assert torch.equal(got.global_scale, reference.quantize_per_token(x, op_order="te").global_scale)

@@ -7,7 +7,7 @@ import torch
 from nvfp4_sampler.diagnostics import operators as ops
 from nvfp4_sampler.diagnostics.strict import strict
 from nvfp4_sampler.kernels import reference as R
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 

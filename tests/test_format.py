@@ -143,3 +143,47 @@ def test_swizzle_inverse_equals_vllm_convert_swizzled_to_linear(m, k):
     # vLLM slices the columns with the element count K, not K/16: the padded columns stay (zeros)
     assert torch.equal(theirs[:, :k], lin.view(torch.uint8))
     assert not theirs[:, k:].any()
+
+
+def test_recipe_is_frozen_validates_itself_and_keeps_the_config_json_keys():
+    """The recipe travels as one frozen object; on disk its fields keep the `quantization_config`
+    keys existing checkpoints hold (`weight_recipe`, `op_order`, `activation_scaling`)."""
+    import dataclasses
+
+    from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
+
+    te = Recipe(weight="2d", op_order="te")
+    assert te.to_json() == {"weight_recipe": "2d", "op_order": "te", "activation_scaling": "per_token"}
+    assert Recipe.from_json(te.to_json()) == te and Recipe.from_json({}) == Recipe()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        te.op_order = "vllm"
+    for bad in (dict(weight="3d"), dict(op_order="cuda"), dict(activation_scaling="per_block")):
+        with pytest.raises(ValueError, match="must be one of"):
+            Recipe(**bad)
+    # a config.json written before the Recipe existed loads as it is, and writes the same keys back
+    on_disk = {"quant_method": "nvfp4_sampler", "format_version": 1, "activation_scaling": "per_token",
+               "weight_recipe": "2d", "op_order": "te", "keep_bf16": [], "backend": "auto", "prequantized": True}
+    cfg = SamplerConfig.from_dict(on_disk)
+    assert cfg.recipe == te and cfg.prequantized and cfg.to_dict() == on_disk
+    with pytest.raises(ValueError, match="unknown quantization_config"):
+        SamplerConfig.from_dict({**on_disk, "recipe": "2d"})
+    with pytest.raises(ValueError, match="recipe must be a Recipe"):
+        SamplerConfig(recipe="2d")
+
+
+def test_recipe_flags_come_from_the_contract():
+    import argparse
+
+    from nvfp4_sampler.sampler_format import Recipe
+    from nvfp4_sampler.sampler_format.args import add_recipe_args, recipe_from_args
+
+    p = argparse.ArgumentParser()
+    add_recipe_args(p)
+    assert recipe_from_args(p.parse_args([])) == Recipe()
+    args = p.parse_args(["--recipe", "2d", "--op-order", "te", "--activation-scaling", "per_tensor"])
+    assert recipe_from_args(args) == Recipe(weight="2d", op_order="te", activation_scaling="per_tensor")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--recipe", "3d"])
+    q = argparse.ArgumentParser()
+    add_recipe_args(q, activation_scaling=False)
+    assert recipe_from_args(q.parse_args(["--op-order", "te"])) == Recipe(op_order="te")

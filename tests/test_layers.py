@@ -6,7 +6,7 @@ import torch
 
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.sampler_plugin import layers
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import NVFP4Linear, quantize_model
 
 CFG = SamplerConfig()
@@ -51,17 +51,17 @@ def test_2d_recipe_write_equals_reference():
     torch.manual_seed(3)
     t = torch.randn(40, 64, dtype=torch.bfloat16)
     w = layers.create_weight(40, 64)
-    layers.write(w, layers.Shard("p", (40, 64), slice(0, 40)), "weight", t, config=SamplerConfig(weight_recipe="2d"))
+    layers.write(w, layers.Shard("p", (40, 64), slice(0, 40)), "weight", t, config=SamplerConfig(recipe=Recipe(weight="2d")))
     q = reference.quantize_weight(t, recipe="2d")
     assert torch.equal(w.codes, q.codes) and torch.equal(_bytes(w.block_scales), _bytes(q.block_scales))
     assert not torch.equal(w.codes, reference.quantize_weight(t).codes)
 
 
 def test_te_op_order_config_quantizes_weights_and_activations_the_te_way():
-    """SamplerConfig(op_order="te", weight_recipe="2d"): TE's recipe end to end in a layer; the weight
+    """Recipe(weight="2d", op_order="te"): TE's recipe end to end in a layer; the weight
     written on arrival and the linear equal the reference in TE's order, not in vLLM's."""
     from tests.test_reference_te import heavy_tailed
-    cfg = SamplerConfig(op_order="te", weight_recipe="2d")
+    cfg = SamplerConfig(recipe=Recipe(weight="2d", op_order="te"))
     t = heavy_tailed(48, 64, torch.bfloat16, 3)          # a seed whose S_enc differs by 1 ulp between orders
     w = layers.create_weight(48, 64)
     layers.write(w, layers.Shard("p", (48, 64), slice(0, 48)), "weight", t, config=cfg)
@@ -74,7 +74,7 @@ def test_te_op_order_config_quantizes_weights_and_activations_the_te_way():
     assert torch.equal(out, reference.linear(x, q, op_order="te"))
     assert not torch.equal(out, reference.linear(x, reference.quantize_weight(t, recipe="2d")))
     with pytest.raises(ValueError, match="op_order must be one of"):
-        SamplerConfig(op_order="cuda")
+        Recipe(op_order="cuda")
 
 
 def test_tensor_parallel_slices_match_the_full_quantization():

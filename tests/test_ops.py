@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from nvfp4_sampler.kernels import dispatch, reference
 from nvfp4_sampler.kernels.format import NVFP4Tensor
 from nvfp4_sampler.sampler_plugin import layers
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 
 OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -210,7 +210,7 @@ class _Block(torch.nn.Module):
 
 @pytest.mark.parametrize("scaling", ["per_token", "per_tensor"])
 def test_compiled_layer_forward_equals_eager(scaling):
-    block = _Block(SamplerConfig(activation_scaling=scaling))
+    block = _Block(SamplerConfig(recipe=Recipe(activation_scaling=scaling)))
     compiled = torch.compile(block, fullgraph=True, dynamic=True)
     for m in (1, 5, 33):
         x = _x(m, 64, seed=m, device="cpu")
@@ -258,7 +258,7 @@ def test_forced_backend_that_cannot_run_raises_with_its_reason():
 
 def test_no_backend_collects_every_reason():
     with pytest.raises(RuntimeError) as e:
-        layers.choose_backend(SamplerConfig(activation_scaling="per_tensor"), op="moe", name="model.layers.0.mlp.experts",
+        layers.choose_backend(SamplerConfig(recipe=Recipe(activation_scaling="per_tensor")), op="moe", name="model.layers.0.mlp.experts",
                               device="cpu", k=64)
     msg = str(e.value)
     assert "model.layers.0.mlp.experts: no NVFP4 backend can run moe" in msg

@@ -128,19 +128,20 @@ def test_gpu_state_dict_converts_on_its_device_into_pinned_buckets(layout):
 
 
 def test_push_pipeline_converts_with_the_learner_recipe():
-    """push(..., op_order="te", shared_group_scale=True) streams what `convert` writes with the same
-    options: TE's op order and one shared scale for q/k/v and for gate/up."""
+    """push(..., recipe=Recipe(op_order="te"), shared_group_scale=True) streams what `convert` writes
+    with the same options: TE's op order and one shared scale for q/k/v and for gate/up."""
     import torch
 
     from nvfp4_sampler.converters.convert import ConvertOptions, StateDictSource, iter_buckets
+    from nvfp4_sampler.sampler_format import Recipe
     from nvfp4_sampler.server import push
     from tests.test_converters import CONFIG, _weights
 
     weights = _weights(seed=6)
-    plan = push.plan(weights, layout="nvfp4", config=CONFIG, op_order="te", shared_group_scale=True)
+    plan = push.plan(weights, layout="nvfp4", config=CONFIG, recipe=Recipe(op_order="te"), shared_group_scale=True)
     with push.Pipeline(plan) as buckets:
         got = {n: t.clone() for b in buckets for n, t in b.items()}
-    options = ConvertOptions(op_order="te", shared_group_scale=True)
+    options = ConvertOptions(recipe=Recipe(op_order="te"), shared_group_scale=True)
     want = {n: t for b in iter_buckets(StateDictSource(weights, config=CONFIG), options) for n, t in b.items()}
     assert got.keys() == want.keys()
     for n in want:

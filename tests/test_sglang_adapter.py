@@ -13,7 +13,7 @@ pytest.importorskip("sglang")
 import tests.sglang_helpers  # noqa: E402,F401  (torchvision stub on sys.path before SGLang's layers)
 from nvfp4_sampler.kernels import reference  # noqa: E402
 from nvfp4_sampler.sampler_plugin import sglang as adapter  # noqa: E402
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig  # noqa: E402
+from nvfp4_sampler.sampler_format import SamplerConfig  # noqa: E402
 from nvfp4_sampler.sampler_plugin.policy import fused_shard_names  # noqa: E402
 
 PREFIX = "model.layers.0.self_attn.o_proj"

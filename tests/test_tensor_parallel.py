@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.kernels import NVFP4Tensor
 from nvfp4_sampler.sampler_plugin import layers
-from nvfp4_sampler.sampler_plugin.config import SamplerConfig
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 
 WORLD, M, K, N = 2, 37, 256, 48
 
@@ -41,7 +41,7 @@ def _worker(rank: int, port: int, scaling: str, results: dict) -> None:
         w_r = NVFP4Tensor(_slice(full_w.codes, rank).contiguous(),
                                      _slice(full_w.block_scales, rank).contiguous(),
                                      full_w.global_scale.expand(N).contiguous())
-        cfg = SamplerConfig(activation_scaling=scaling, backend="reference")
+        cfg = SamplerConfig(recipe=Recipe(activation_scaling=scaling), backend="reference")
         x_r = _slice(x, rank).contiguous()
         amax = x_r.abs().float().amax(-1) if scaling == "per_token" else x_r.abs().float().amax()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)

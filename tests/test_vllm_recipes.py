@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from nvfp4_sampler.kernels import reference
-from nvfp4_sampler.sampler_format import SamplerConfig, is_nvfp4_weight
+from nvfp4_sampler.sampler_format import Recipe, SamplerConfig, is_nvfp4_weight
 from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
                                 reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
-TE = SamplerConfig(op_order="te", weight_recipe="2d")
+TE = SamplerConfig(recipe=Recipe(weight="2d", op_order="te"))
 TOL = 1e-3          # as tests/test_vllm_dense.py (float32 engine vs float32 torch forward)
 
 

@@ -4,7 +4,7 @@ Thin: parameters and loaders per SGLang's layer API, everything else in `sampler
 SGLang runs `register` in every process (CLI, Engine, tokenizer, scheduler) before it parses
 `--quantization` or builds a model.
 """
-from ..config import METHOD_NAME
+from nvfp4_sampler.sampler_format import METHOD_NAME
 
 
 def register() -> None:

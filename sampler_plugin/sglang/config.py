@@ -9,9 +9,9 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-from ..config import SamplerConfig
+from nvfp4_sampler.sampler_format import SamplerConfig, should_quantize
+
 from ..core import ConfigCore
-from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 

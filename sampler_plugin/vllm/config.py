@@ -12,9 +12,9 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
 from vllm.platforms import current_platform
 
-from ..config import METHOD_NAME, SamplerConfig
+from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig, should_quantize
+
 from ..core import ConfigCore
-from ..policy import should_quantize
 from .linear import NVFP4LinearMethod
 from .moe import NVFP4MoEMethod
 

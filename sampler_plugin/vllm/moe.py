@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
+from nvfp4_sampler.sampler_format import SamplerConfig
+
 from .. import layers
-from ..config import SamplerConfig
 from ..core import ExpertsCore
 from .layerwise import abort_pending
 

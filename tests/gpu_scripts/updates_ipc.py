@@ -60,8 +60,8 @@ def trainer_tensors(path: str, *, nvfp4: bool, prefix: str = "") -> tuple[dict, 
     from safetensors.torch import load_file
 
     from nvfp4_sampler.kernels import dispatch
-    from nvfp4_sampler.sampler_plugin.config import SamplerConfig
-    from nvfp4_sampler.sampler_plugin.policy import should_quantize
+    from nvfp4_sampler.sampler_format import SamplerConfig
+    from nvfp4_sampler.sampler_format import should_quantize
 
     config, out, quantized = SamplerConfig(), {}, 0
     for name, t in load_file(Path(path) / "model.safetensors", device="cuda").items():
@@ -71,7 +71,7 @@ def trainer_tensors(path: str, *, nvfp4: bool, prefix: str = "") -> tuple[dict, 
         if not (name.endswith(".weight") and t.dim() == 2 and should_quantize(module, config)):
             out[name] = t
         elif nvfp4:
-            q = dispatch.quantize_weight_on(t, recipe=config.weight_recipe)
+            q = dispatch.quantize_weight_on(t, recipe=config.recipe.weight)
             triplet = {name: q.codes, f"{module}.weight_scale": q.block_scales,
                        f"{module}.weight_scale_2": q.global_scale.reshape(())}
             out.update(triplet)
