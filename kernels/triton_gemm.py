@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS
+
 from . import cuda_mma, triton_gemv, triton_quant
 from .format import NVFP4Tensor
 
@@ -328,8 +330,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     triton_gemv.GEMV_KERNEL_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
-    if scaling not in ("per_token", "per_tensor"):
-        raise ValueError(f"scaling must be 'per_token' or 'per_tensor', got {scaling!r}")
+    if scaling not in ACTIVATION_SCALINGS:
+        raise ValueError(f"scaling must be one of {ACTIVATION_SCALINGS}, got {scaling!r}")
     x2 = x.reshape(-1, x.shape[-1])
     if amax is not None and scaling == "per_token":
         if amax.shape != x.shape[:-1]:
