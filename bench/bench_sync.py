@@ -51,14 +51,12 @@ from nvfp4_sampler.server import ipc
 from nvfp4_sampler.server import push as push_pipeline
 from nvfp4_sampler.server.client import SamplerClient
 from nvfp4_sampler.server.process import sidecar
+from nvfp4_sampler.testing import manifests
 
 FULL_LAYERS = 48
-QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-                 "max_position_embeddings": 4096, "tie_word_embeddings": False, "vocab_size": 512,
-                 "bos_token_id": 0, "eos_token_id": 0, "dtype": "bfloat16"}
+# the 30B-A3B shape with a small vocabulary (the sync measures the layers; lm_head and embeddings are a
+# constant part of every update)
+QWEN3_30B_A3B = {**manifests.QWEN3_30B_A3B, "vocab_size": 512}
 ANCHORS = "anchors: the report's NVFP4 sync 55.26 s per step (BF16 9.94 s); NeMo-RL Qwen3-30B BF16 refit 0.48-0.74 s"
 
 
@@ -176,33 +174,11 @@ def push_ipc(client: SamplerClient, state, layout: str) -> dict[str, float]:
 # ---- planned mode ---------------------------------------------------------------------------------
 
 def nvfp4_manifest(cfg: dict) -> list:
-    """The NVFP4 update manifest of `cfg` as the converter emits it for `model_tensors`: per-expert
-    triplets of every quantized projection, everything else dense BF16 (no tensors needed)."""
+    """The NVFP4 update manifest of `cfg` as the converter emits it for `model_tensors`
+    (`testing.manifests`), as protocol entries (no tensors needed)."""
     from nvfp4_sampler.server.protocol import TensorEntry
-
-    h, hd, e, inter, v = (cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"], cfg["moe_intermediate_size"],
-                          cfg["vocab_size"])
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-
-    def nv(name, n, k):
-        return TensorEntry(name=name, layout="nvfp4", dtype="nvfp4", shape=[n, k])
-
-    def bf(name, *shape):
-        return TensorEntry(name=name, layout="dense", dtype="bfloat16", shape=list(shape))
-
-    out = [bf("model.embed_tokens.weight", v, h)]
-    for L in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{L}"
-        out += [nv(f"{p}.self_attn.q_proj.weight", q, h), nv(f"{p}.self_attn.k_proj.weight", kv, h),
-                nv(f"{p}.self_attn.v_proj.weight", kv, h), nv(f"{p}.self_attn.o_proj.weight", h, q),
-                bf(f"{p}.self_attn.q_norm.weight", hd), bf(f"{p}.self_attn.k_norm.weight", hd),
-                bf(f"{p}.input_layernorm.weight", h), bf(f"{p}.post_attention_layernorm.weight", h),
-                bf(f"{p}.mlp.gate.weight", e, h)]
-        for x in range(e):
-            out += [nv(f"{p}.mlp.experts.{x}.gate_proj.weight", inter, h),
-                    nv(f"{p}.mlp.experts.{x}.up_proj.weight", inter, h),
-                    nv(f"{p}.mlp.experts.{x}.down_proj.weight", h, inter)]
-    return out + [bf("model.norm.weight", h), bf("lm_head.weight", v, h)]
+    return [TensorEntry(name=n, layout=lay, dtype=d, shape=shape)
+            for n, lay, d, shape in manifests.qwen3_moe_nvfp4_manifest(cfg)]
 
 
 def plan_counts(plan) -> dict[str, int]:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from bench import bench_sync as bs
 from nvfp4_sampler.server.plan import TransferPlan
-from tests.test_plan import qwen3_30b_a3b_manifest
 
 
 def test_planned_manifest_of_the_whole_model():
-    cfg = {**bs.QWEN3_30B_A3B, "num_hidden_layers": 48, "vocab_size": 151936}
-    manifest = bs.nvfp4_manifest(cfg)
-    assert [e.model_dump() for e in manifest] == [e.model_dump() for e in qwen3_30b_a3b_manifest()]
+    manifest = bs.nvfp4_manifest({**bs.QWEN3_30B_A3B, "num_hidden_layers": 48, "vocab_size": 151936})
     counts = bs.plan_counts(TransferPlan.build(manifest))
     assert counts["manifest_entries"] == 18867 and counts["manifest_tensors"] == 56115
     assert counts["planned_entries"] == 435 and counts["planned_tensors"] == 819

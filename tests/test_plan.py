@@ -10,6 +10,7 @@ import torch
 from nvfp4_sampler.server.plan import TransferPlan
 from nvfp4_sampler.server.protocol import TensorEntry
 from nvfp4_sampler.server.wire import iter_entries
+from nvfp4_sampler.testing import manifests
 
 H, I, E, NQ, NKV, V = 64, 32, 4, 64, 32, 100
 
@@ -125,29 +126,10 @@ def test_codes_are_never_flagged():
 
 
 def qwen3_30b_a3b_manifest(layers: int = 48) -> list[TensorEntry]:
-    """The NVFP4 update manifest of Qwen3-30B-A3B (hidden 2048, 32 q / 4 kv heads of 128, 128 experts of
-    768, vocab 151936), as the converter emits it: one entry per checkpoint tensor."""
-    h, q, kv, inter, experts, vocab = 2048, 4096, 512, 768, 128, 151936
-
-    def nv(name, n, k):
-        return TensorEntry(name=name, layout="nvfp4", dtype="nvfp4", shape=[n, k])
-
-    def bf(name, *shape):
-        return TensorEntry(name=name, layout="dense", dtype="bfloat16", shape=list(shape))
-
-    out = [bf("model.embed_tokens.weight", vocab, h)]
-    for L in range(layers):
-        p = f"model.layers.{L}"
-        out += [nv(f"{p}.self_attn.q_proj.weight", q, h), nv(f"{p}.self_attn.k_proj.weight", kv, h),
-                nv(f"{p}.self_attn.v_proj.weight", kv, h), nv(f"{p}.self_attn.o_proj.weight", h, q),
-                bf(f"{p}.self_attn.q_norm.weight", 128), bf(f"{p}.self_attn.k_norm.weight", 128),
-                bf(f"{p}.input_layernorm.weight", h), bf(f"{p}.post_attention_layernorm.weight", h),
-                bf(f"{p}.mlp.gate.weight", experts, h)]
-        for e in range(experts):
-            out += [nv(f"{p}.mlp.experts.{e}.gate_proj.weight", inter, h),
-                    nv(f"{p}.mlp.experts.{e}.up_proj.weight", inter, h),
-                    nv(f"{p}.mlp.experts.{e}.down_proj.weight", h, inter)]
-    return out + [bf("model.norm.weight", h), bf("lm_head.weight", vocab, h)]
+    """The NVFP4 update manifest of Qwen3-30B-A3B as the converter emits it: one entry per checkpoint tensor."""
+    cfg = {**manifests.QWEN3_30B_A3B, "num_hidden_layers": layers}
+    return [TensorEntry(name=n, layout=lay, dtype=d, shape=shape)
+            for n, lay, d, shape in manifests.qwen3_moe_nvfp4_manifest(cfg)]
 
 
 def test_whole_qwen3_30b_a3b_plans_to_hundreds_of_entries():

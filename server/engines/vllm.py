@@ -169,7 +169,11 @@ class VLLMEngine(Engine):
         in place. `stage_seconds`: building the handover (copies of tensors not yet shared)."""
         t0 = time.perf_counter()
         spec, keep = await asyncio.to_thread(self._shared_spec, tensors)
-        stage_seconds = time.perf_counter() - t0
+        return await self._hand_over(spec, keep, version, stage_seconds=time.perf_counter() - t0)
+
+    async def _hand_over(self, spec: dict, keep, version: int, *, stage_seconds: float) -> dict:
+        """Pause vLLM, let the workers apply `spec` (`nvfp4_apply_shared`), drop the prefix cache,
+        resume; `keep` holds the shared buffers alive until the workers are done."""
         await self._post("POST", "/pause", params={"mode": "wait"})
         try:
             reports = await self._rpc("nvfp4_apply_shared", json.dumps(spec), str(version))
@@ -194,17 +198,8 @@ class VLLMEngine(Engine):
             return spec, keep
 
         spec, keep = await asyncio.to_thread(spec_of)
-        stage_seconds = time.perf_counter() - t0
-        await self._post("POST", "/pause", params={"mode": "wait"})
-        try:
-            reports = await self._rpc("nvfp4_apply_shared", json.dumps(spec), str(version))
-            await self._post("POST", "/reset_prefix_cache")
-        finally:
-            await self._post("POST", "/resume")
-        del keep
-        report = reports[0] if isinstance(reports[0], dict) else {"report": reports[0]}
-        return {**report, "stage_seconds": stage_seconds, "copied_bytes": self.last_copied_bytes,
-                "fused_rows": len(spec["fused"])}
+        report = await self._hand_over(spec, keep, version, stage_seconds=time.perf_counter() - t0)
+        return {**report, "fused_rows": len(spec["fused"])}
 
     async def logprobs(self, req: LogprobsRequest) -> list[SequenceLogprobs]:
         body = {"model": self.model_id, "prompt": req.sequences, "max_tokens": 1, "temperature": 0.0,
