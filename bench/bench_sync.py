@@ -17,7 +17,7 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
         (`server.plan`: fused entries, fixed offsets), each plan bucket packed from the converted
         tensors into one of two reused send buffers on the device (double-buffered: the next bucket
         is converted and packed while the previous one is sent), sent as handle + index
-        (`SamplerClient.send_bucket`), committed as fused entries (`layers.apply_fused`). Sub-steps
+        (`SamplerClient.send_bucket`), committed as fused entries (`commit.apply_fused`). Sub-steps
         timed: plan, convert, pack, send (sidecar copy + its one validation pass per bucket),
         validate (the same pass timed on the trainer), commit; counted: entries, buckets, host syncs
         and (with --profile) CUDA kernel launches on the trainer. Its sidecar's embedded engine runs on

@@ -39,7 +39,7 @@ import torch
 from nvfp4_sampler.kernels import NVFP4Tensor
 from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
-from . import layers
+from . import commit, layers
 from .policy import quantized_linear_shards
 
 
@@ -137,10 +137,10 @@ class LayerCore:
             layer.nvfp4_tracker = layers.LoadTracker(s for _, s in self.shards(layer))
         return layer.nvfp4_tracker
 
-    def targets(self, layer: torch.nn.Module) -> dict[str, layers.Target]:
+    def targets(self, layer: torch.nn.Module) -> dict[str, commit.Target]:
         """Checkpoint prefix of each shard -> Target over the storage the layer serves with now."""
         storage = self.storage(layer)
-        return {s.name: layers.Target(weight=storage[name], shard=s) for name, s in self.shards(layer)}
+        return {s.name: commit.Target(weight=storage[name], shard=s) for name, s in self.shards(layer)}
 
     def _register(self, layer: torch.nn.Module, weights: dict[str, NVFP4Tensor], loader, *, op: str,
                   k: int, tp_amax: bool = False) -> None:
@@ -302,17 +302,17 @@ def shard_of(loader, *args, **kwargs) -> layers.Shard:
     return layer.quant_method.locate(layer, *args, **kwargs)[1]
 
 
-def reload_targets(model: torch.nn.Module) -> dict[str, layers.Target]:
+def reload_targets(model: torch.nn.Module) -> dict[str, commit.Target]:
     """Checkpoint name -> Target for every reloadable tensor of an engine's model.
 
     NVFP4 layers are keyed by checkpoint module prefix ("model.layers.0.self_attn.k_proj",
     "model.layers.0.mlp.experts.3.up_proj"); plain tensors by full name ("model.norm.weight").
     """
-    targets: dict[str, layers.Target] = {}
+    targets: dict[str, commit.Target] = {}
     for module in model.modules():
         if is_nvfp4(module):
             targets.update(module.quant_method.targets(module))
     for name, p in model.named_parameters(remove_duplicate=False):
         if not hasattr(p, "nvfp4_kind") and p.numel() > 0:
-            targets[name] = layers.Target(param=p.data)
+            targets[name] = commit.Target(param=p.data)
     return targets

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from . import layers
+from . import commit, layers
 from .core import shard_of
 
 _MISSING = object()
@@ -39,7 +39,7 @@ def _scratch(param: torch.Tensor, loader) -> torch.Tensor:
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if not layers.is_finite(tensor):
+    if not commit.is_finite(tensor):
         raise UpdateRejected(f"nvfp4_sampler: weight update refused, no tensor written: {name}: "
                              f"contains NaN or Inf")
 
@@ -116,7 +116,7 @@ def check_update(load_weights, model: torch.nn.Module, weights: list[tuple[str, 
                                  f"no parameter of the model takes this tensor")
     for prefix, group in dry.groups.items():
         try:
-            layers.check_group(prefix, group)
+            commit.check_group(prefix, group)
         except ValueError as e:
             raise UpdateRejected(f"nvfp4_sampler: weight update refused, no tensor written: {e}") from e
 

@@ -5,7 +5,7 @@ Every rank of `group` builds the same `TransferPlan` (the source rank broadcasts
 bucket size once: `share_plan`). Per update, the source packs each plan bucket into one reused flat
 buffer and broadcasts it; every sampler rank validates it (one pass per value class into a device
 flag) and keeps it. Then the ranks agree before anyone writes: each checks the whole update against
-its own engine (`layers.apply_fused(check_only=True)` over its `reload_targets`: a tensor-parallel
+its own engine (`commit.apply_fused(check_only=True)` over its `reload_targets`: a tensor-parallel
 rank's shards take their rows and K range of each checkpoint tensor), the verdicts are all-reduced
 (MAX), and only if every rank and every bucket is good does each rank write. One bad bucket or one
 refusing rank leaves every rank's old weights.
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit
 
 from .plan import TransferPlan
 
@@ -44,7 +44,7 @@ def send_update(plan: TransferPlan, tensors: Mapping[str, torch.Tensor], *, src:
     return _verdict(torch.zeros((), dtype=torch.int32, device=device), group)
 
 
-def receive_update(plan: TransferPlan, targets: Mapping[str, layers.Target], *, config, src: int = 0,
+def receive_update(plan: TransferPlan, targets: Mapping[str, commit.Target], *, config, src: int = 0,
                    group=None, device: torch.device | str = "cpu") -> list[str]:
     """Sampler rank: receive every bucket, validate, agree with the other ranks, then write (all
     ranks or none). Returns the names written; raises ValueError (on every rank) if any bucket or
@@ -63,13 +63,13 @@ def receive_update(plan: TransferPlan, targets: Mapping[str, layers.Target], *, 
     else:
         entries = [e for b, buf in enumerate(bufs) for e in plan.fused_entries(b, buf)]
         try:
-            layers.apply_fused(targets, entries, config=config, check_only=True)
+            commit.apply_fused(targets, entries, config=config, check_only=True)
         except ValueError as e:
             problem = str(e)
     bad = torch.tensor(int(problem is not None), dtype=torch.int32, device=device)
     if not _verdict(bad, group):
         raise ValueError(problem or "another rank refused the update; nothing written")
-    return layers.apply_fused(targets, entries, config=config)
+    return commit.apply_fused(targets, entries, config=config)
 
 
 def _verdict(bad: torch.Tensor, group) -> bool:

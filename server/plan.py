@@ -22,8 +22,8 @@ after the flag is set) names the first bad checkpoint tensor.
 Both ends build the same plan from the same manifest (`TransferPlan.build` is deterministic;
 `plan_id` hashes it). `member_views` turns a received bucket into checkpoint-named views (no copy)
 for the engines' `apply_update`; `fused_views` gives the fused tensors themselves (a trainer can
-quantize straight into them); `fused_entries` gives them as `layers.FusedEntry`s, which the
-sidecar's commit hands to the engine (`layers.apply_fused`: one copy per tensor kind of an entry
+quantize straight into them); `fused_entries` gives them as `commit.FusedEntry`s, which the
+sidecar's commit hands to the engine (`commit.apply_fused`: one copy per tensor kind of an entry
 that fills one engine parameter set exactly, the per-tensor path otherwise).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from nvfp4_sampler.sampler_format import BLOCK
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit
 
 from .protocol import TensorEntry
 
@@ -111,23 +111,23 @@ class PlannedEntry:
     members: tuple[Member, ...]
 
     @functools.cached_property
-    def slots(self) -> tuple[layers.FusedSlot, ...]:
-        """The members as `layers.FusedSlot`s: one per slot (a name template over the experts when
+    def slots(self) -> tuple[commit.FusedSlot, ...]:
+        """The members as `commit.FusedSlot`s: one per slot (a name template over the experts when
         stacked), so a fused entry of 128 experts is described by 1-3 rows."""
         if self.members[0].expert is None:
-            return tuple(layers.FusedSlot(m.entry.name, m.row0, m.row1, m.slot) for m in self.members)
+            return tuple(commit.FusedSlot(m.entry.name, m.row0, m.row1, m.slot) for m in self.members)
         experts = len({m.expert for m in self.members})
         out = []
         for m in self.members:
             if m.expert == 0:
                 pattern = re.compile(r"\.experts\.0\.")
-                out.append(layers.FusedSlot(pattern.sub(".experts.{e}.", m.entry.name, count=1), m.row0, m.row1,
+                out.append(commit.FusedSlot(pattern.sub(".experts.{e}.", m.entry.name, count=1), m.row0, m.row1,
                                             m.slot, experts))
         return tuple(out)
 
-    def fused(self, tensors: Mapping[str, torch.Tensor]) -> layers.FusedEntry:
+    def fused(self, tensors: Mapping[str, torch.Tensor]) -> commit.FusedEntry:
         """This entry over its part tensors ({part kind: tensor}, e.g. from `fused_views`)."""
-        return layers.FusedEntry(self.name, self.layout, self.slots, tensors)
+        return commit.FusedEntry(self.name, self.layout, self.slots, tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +200,8 @@ class TransferPlan:
         self._check(b, flat)
         return {e.name: {p.kind: _view(flat, p) for p in e.parts} for e in (self.entries[i] for i in self.buckets[b].entries)}
 
-    def fused_entries(self, b: int, flat: torch.Tensor) -> list[layers.FusedEntry]:
-        """Bucket `b`'s entries as `layers.FusedEntry`s over views of `flat` (for `layers.apply_fused`)."""
+    def fused_entries(self, b: int, flat: torch.Tensor) -> list[commit.FusedEntry]:
+        """Bucket `b`'s entries as `commit.FusedEntry`s over views of `flat` (for `commit.apply_fused`)."""
         self._check(b, flat)
         return [e.fused({p.kind: _view(flat, p) for p in e.parts}) for e in (self.entries[i] for i in self.buckets[b].entries)]
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit
 from nvfp4_sampler.server import broadcast
 from nvfp4_sampler.server.plan import TransferPlan
 from nvfp4_sampler.server.wire import iter_entries
@@ -50,7 +50,7 @@ def _run(rank: int, world: int, port: int, out: str) -> None:
             assert "experts.2.down_proj.weight_scale" in str(e), e
         after_bad = state(targets)
         ref = engine_targets(tp=tp)
-        layers.apply_update(ref, good, config=CFG)
+        commit.apply_update(ref, good, config=CFG)
         torch.save({"good": after_good, "bad": after_bad, "ref": state(ref)}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -1,12 +1,12 @@
-"""The fused commit (`layers.apply_fused`): a whole planned entry (every expert's w13 / w2, a fused
+"""The fused commit (`commit.apply_fused`): a whole planned entry (every expert's w13 / w2, a fused
 qkv) checked in one pass per tensor kind and written with one copy per kind, against the per-tensor
-path (`layers.apply_update`) on CPU: the same engine state bit for bit, the same all-or-nothing rule."""
+path (`commit.apply_update`) on CPU: the same engine state bit for bit, the same all-or-nothing rule."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit, layers
 from nvfp4_sampler.sampler_format import SamplerConfig
 from nvfp4_sampler.server.plan import TransferPlan
 from nvfp4_sampler.server.wire import iter_entries
@@ -19,33 +19,33 @@ def engine_targets(layers_n: int = 2, *, fused_qkv: bool = True, tp: tuple[int, 
     """Targets laid out as vLLM holds the tiny MoE of `moe_update`: qkv fused (or q/k/v apart, as the
     embedded engine holds them), experts stacked; `tp` = (rank, size) shards the experts' rows."""
     rank, size = tp
-    t: dict[str, layers.Target] = {
-        "model.embed_tokens.weight": layers.Target(param=torch.zeros(V, H, dtype=torch.bfloat16)),
-        "model.norm.weight": layers.Target(param=torch.zeros(H))}
+    t: dict[str, commit.Target] = {
+        "model.embed_tokens.weight": commit.Target(param=torch.zeros(V, H, dtype=torch.bfloat16)),
+        "model.norm.weight": commit.Target(param=torch.zeros(H))}
     for L in range(layers_n):
         p = f"model.layers.{L}"
         if fused_qkv:
             w = layers.create_weight(NQ + 2 * NKV, H)
             for i, (s, r0, n) in enumerate((("q", 0, NQ), ("k", NQ, NKV), ("v", NQ + NKV, NKV))):
-                t[f"{p}.self_attn.{s}_proj"] = layers.Target(w, layers.Shard(f"{p}.self_attn.{s}_proj", (n, H),
+                t[f"{p}.self_attn.{s}_proj"] = commit.Target(w, layers.Shard(f"{p}.self_attn.{s}_proj", (n, H),
                                                                              slice(r0, r0 + n)))
         else:
             for s, n in (("q", NQ), ("k", NKV), ("v", NKV)):
-                t[f"{p}.self_attn.{s}_proj"] = layers.Target(layers.create_weight(n, H),
+                t[f"{p}.self_attn.{s}_proj"] = commit.Target(layers.create_weight(n, H),
                                                              layers.Shard(f"{p}.self_attn.{s}_proj", (n, H),
                                                                           slice(0, n)))
-        t[f"{p}.self_attn.o_proj"] = layers.Target(layers.create_weight(H, NQ),
+        t[f"{p}.self_attn.o_proj"] = commit.Target(layers.create_weight(H, NQ),
                                                    layers.Shard(f"{p}.self_attn.o_proj", (H, NQ), slice(0, H)))
-        t[f"{p}.self_attn.q_norm.weight"] = layers.Target(param=torch.zeros(16, dtype=torch.bfloat16))
-        t[f"{p}.input_layernorm.weight"] = layers.Target(param=torch.zeros(H, dtype=torch.bfloat16))
-        t[f"{p}.mlp.gate.weight"] = layers.Target(param=torch.zeros(E, H, dtype=torch.bfloat16))
+        t[f"{p}.self_attn.q_norm.weight"] = commit.Target(param=torch.zeros(16, dtype=torch.bfloat16))
+        t[f"{p}.input_layernorm.weight"] = commit.Target(param=torch.zeros(H, dtype=torch.bfloat16))
+        t[f"{p}.mlp.gate.weight"] = commit.Target(param=torch.zeros(E, H, dtype=torch.bfloat16))
         inter = I // size
         w13 = layers.create_weight(2 * inter, H, experts=E)
         w2 = layers.create_weight(H, inter, experts=E, global_per_row=False)
         for e in range(E):
             for sid, sh in layers.expert_shards(f"{p}.mlp.experts", e, hidden=H, inter=inter, tp_rank=rank,
                                                 tp_size=size).items():
-                t[sh.name] = layers.Target(w2 if sid == "w2" else w13, sh)
+                t[sh.name] = commit.Target(w2 if sid == "w2" else w13, sh)
     return t
 
 
@@ -76,7 +76,7 @@ def fused_entries(t, bucket_bytes=1 << 30):
 
 
 def count_fast(targets, entries):
-    return sum(layers._fused_plan(targets, e) is not None for e in entries)
+    return sum(commit._fused_plan(targets, e) is not None for e in entries)
 
 
 @pytest.mark.parametrize("fused_qkv,tp", [(True, (0, 1)), (False, (0, 1)), (True, (1, 2))])
@@ -85,10 +85,10 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
     if tp[1] > 1:                                        # a rank holds half the experts' rows: per-tensor path
         pass
     ref, got = engine_targets(fused_qkv=fused_qkv, tp=tp), engine_targets(fused_qkv=fused_qkv, tp=tp)
-    names = layers.apply_update(ref, t, config=CFG)
+    names = commit.apply_update(ref, t, config=CFG)
     plan, entries = fused_entries(t, bucket_bytes=1 << 14)
     assert len(plan.buckets) > 1
-    assert layers.apply_fused(got, entries, config=CFG) == names
+    assert commit.apply_fused(got, entries, config=CFG) == names
     assert_same(state(ref), state(got))
     fast = count_fast(got, entries)
     nv = [e for e in entries if e.layout == "nvfp4"]
@@ -109,7 +109,7 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
 def test_a_bad_tensor_in_a_fused_entry_writes_nothing(name, poison):
     t = moe_update()
     targets = engine_targets()
-    layers.apply_fused(targets, fused_entries(t)[1], config=CFG)
+    commit.apply_fused(targets, fused_entries(t)[1], config=CFG)
     before = state(targets)
     u = moe_update(seed=1)
     x = u[name].clone()
@@ -119,28 +119,28 @@ def test_a_bad_tensor_in_a_fused_entry_writes_nothing(name, poison):
         x.view(-1)[0] = poison
     u[name] = x
     with pytest.raises(ValueError, match=name.replace(".", r"\.")):
-        layers.apply_fused(targets, fused_entries(u)[1], config=CFG)
+        commit.apply_fused(targets, fused_entries(u)[1], config=CFG)
     assert_same(before, state(targets))
     # and the next good update goes through
-    layers.apply_fused(targets, fused_entries(moe_update(seed=1))[1], config=CFG)
+    commit.apply_fused(targets, fused_entries(moe_update(seed=1))[1], config=CFG)
     ref = engine_targets()
-    layers.apply_update(ref, moe_update(seed=1), config=CFG)
+    commit.apply_update(ref, moe_update(seed=1), config=CFG)
     assert_same(state(ref), state(targets))
 
 
 def test_unknown_or_misshapen_entries_write_nothing():
     targets = engine_targets()
-    layers.apply_fused(targets, fused_entries(moe_update())[1], config=CFG)
+    commit.apply_fused(targets, fused_entries(moe_update())[1], config=CFG)
     before = state(targets)
     u = moe_update(seed=2)
     u["model.layers.0.extra.weight"] = torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="model.layers.0.extra.weight: no such tensor"):
-        layers.apply_fused(targets, fused_entries(u)[1], config=CFG)
+        commit.apply_fused(targets, fused_entries(u)[1], config=CFG)
     assert_same(before, state(targets))
     small = engine_targets(layers_n=1)                   # a model with one layer: layer 1 is unknown
     before_small = state(small)
     with pytest.raises(ValueError, match="model.layers.1"):
-        layers.apply_fused(small, fused_entries(moe_update(seed=2))[1], config=CFG)
+        commit.apply_fused(small, fused_entries(moe_update(seed=2))[1], config=CFG)
     assert_same(before_small, state(small))
 
 
@@ -148,12 +148,12 @@ def test_partial_update_fuses_what_is_complete():
     t = moe_update()
     targets, ref = engine_targets(), engine_targets()
     for x in (targets, ref):
-        layers.apply_update(x, t, config=CFG)
+        commit.apply_update(x, t, config=CFG)
     u = {k: v for k, v in moe_update(seed=3).items() if ".experts.1." not in k and "v_proj" not in k}
-    layers.apply_update(ref, u, config=CFG)
+    commit.apply_update(ref, u, config=CFG)
     plan, entries = fused_entries(u)
     assert "model.layers.0.mlp.experts.w13_weight" not in {e.name for e in entries}
-    layers.apply_fused(targets, entries, config=CFG)
+    commit.apply_fused(targets, entries, config=CFG)
     assert_same(state(ref), state(targets))
 
 
@@ -167,11 +167,11 @@ class _Recorder:
 
     async def apply_fused(self, entries, version):
         self.calls.append(("fused", len(entries)))
-        return {"tensors": len(layers.apply_fused(self.targets, entries, config=CFG))}
+        return {"tensors": len(commit.apply_fused(self.targets, entries, config=CFG))}
 
     async def apply_update(self, tensors, version):
         self.calls.append(("tensors", len(tensors)))
-        return {"tensors": len(layers.apply_update(self.targets, tensors, config=CFG))}
+        return {"tensors": len(commit.apply_update(self.targets, tensors, config=CFG))}
 
 
 def test_the_sidecar_commits_a_planned_update_as_fused_entries():
@@ -205,6 +205,6 @@ def test_the_sidecar_commits_a_planned_update_as_fused_entries():
     res = asyncio.run(mgr.commit(st.update_id))
     assert engine.calls == [("fused", len(plan.entries))] and res.weight_version == 1
     ref = engine_targets()
-    layers.apply_update(ref, t, config=CFG)
+    commit.apply_update(ref, t, config=CFG)
     assert_same(state(ref), state(engine.targets))
     print(f"\nplanned commit: {len(manifest)} manifest entries -> {len(plan.entries)} fused entries")

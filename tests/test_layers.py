@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nvfp4_sampler.kernels import reference
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit, layers
 from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
 from nvfp4_sampler.sampler_plugin.torch_modules import NVFP4Linear, quantize_model
 
@@ -112,17 +112,17 @@ def test_apply_update_is_all_or_nothing():
     torch.manual_seed(2)
     w, shards = _fused()
     norm = torch.ones(64)
-    targets = {**{s.name: layers.Target(weight=w, shard=s) for s in shards.values()}, "m.norm.weight": layers.Target(param=norm)}
+    targets = {**{s.name: commit.Target(weight=w, shard=s) for s in shards.values()}, "m.norm.weight": commit.Target(param=norm)}
     layers.write(w, shards["a"], "weight", torch.randn(32, 64), config=CFG)
     layers.write(w, shards["b"], "weight", torch.randn(16, 64), config=CFG)
     before = layers.read(w, shards["a"])["weight"]
     bad = {"m.a_proj.weight": torch.randn(32, 64), "m.norm.weight": torch.zeros(64),
            "m.b_proj.weight": torch.zeros(16, 32, dtype=torch.uint8)}               # incomplete triplet
     with pytest.raises(ValueError, match=r"m\.b_proj\.weight_scale"):
-        layers.apply_update(targets, bad, config=CFG)
+        commit.apply_update(targets, bad, config=CFG)
     assert torch.equal(layers.read(w, shards["a"])["weight"], before) and torch.equal(norm, torch.ones(64))
     with pytest.raises(ValueError, match=r"m\.c_proj\.weight: no such tensor"):
-        layers.apply_update(targets, {"m.c_proj.weight": torch.zeros(4, 16)}, config=CFG)
+        commit.apply_update(targets, {"m.c_proj.weight": torch.zeros(4, 16)}, config=CFG)
     q = reference.quantize_weight(torch.randn(16, 64))
     nan_scales = q.block_scales.clone()
     nan_scales[0, 0] = float("nan")
@@ -130,9 +130,9 @@ def test_apply_update_is_all_or_nothing():
         update = {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
                   "m.b_proj.weight_scale_2": q.global_scale, "m.norm.weight": 2 * norm, name: bad_tensor}
         with pytest.raises(ValueError, match=rf"{name}: contains NaN or Inf"):      # the one rule: values too
-            layers.apply_update(targets, update, config=CFG)
+            commit.apply_update(targets, update, config=CFG)
         assert torch.equal(norm, torch.ones(64)) and not torch.equal(layers.read(w, shards["b"])["weight"], q.codes)
-    names = layers.apply_update(targets, {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
+    names = commit.apply_update(targets, {"m.b_proj.weight": q.codes, "m.b_proj.weight_scale": q.block_scales,
                                           "m.b_proj.weight_scale_2": q.global_scale, "m.norm.weight": 2 * norm},
                                 config=CFG)
     assert len(names) == 4 and torch.equal(layers.read(w, shards["b"])["weight"], q.codes) and norm[0] == 2

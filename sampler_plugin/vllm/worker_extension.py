@@ -24,7 +24,7 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
-from .. import layers, shared_buffers
+from .. import commit, layers, shared_buffers
 from ..core import is_nvfp4, reload_targets
 
 
@@ -41,7 +41,7 @@ def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
 
 def _fused_entries(rows: list, views: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list]:
     """The "fused" table of `nvfp4_apply_shared` over the opened views: (checkpoint-named tensors
-    that are not parts of a fused entry, [layers.FusedEntry])."""
+    that are not parts of a fused entry, [commit.FusedEntry])."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     rest = {}
     for name, t in views.items():
@@ -54,7 +54,7 @@ def _fused_entries(rows: list, views: dict[str, torch.Tensor]) -> tuple[dict[str
     for name, layout, slots in rows:
         if name not in parts:
             raise ValueError(f"nvfp4_sampler: {name}: a fused entry without its tensors")
-        entries.append(layers.FusedEntry(name, layout, tuple(layers.FusedSlot.from_list(s) for s in slots),
+        entries.append(commit.FusedEntry(name, layout, tuple(commit.FusedSlot.from_list(s) for s in slots),
                                          parts.pop(name)))
     if parts:
         raise ValueError(f"nvfp4_sampler: {next(iter(parts))}: tensors of no fused entry")
@@ -81,9 +81,9 @@ class NVFP4SamplerWorkerExtension:
         once into the parameters). Same validation, report and all-or-nothing rule as
         `nvfp4_apply_update`; the buffers are released on return.
         A planned update adds "fused": [[fused name, layout, [FusedSlot rows]], ...] (one row per
-        fused entry, `layers.FusedEntry`), whose part tensors are the table's rows named
+        fused entry, `commit.FusedEntry`), whose part tensors are the table's rows named
         "FUSED_NAME#KIND"; each entry that fills one parameter set exactly is written with one copy
-        per tensor kind (`layers.apply_fused`)."""
+        per tensor kind (`commit.apply_fused`)."""
         start = time.perf_counter()
         spec = json.loads(spec) if isinstance(spec, str) else spec
         buffers = [shared_buffers.open_buffer(h) for h in spec["buffers"]]
@@ -99,7 +99,7 @@ class NVFP4SamplerWorkerExtension:
             del buffers
 
     def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float, *,
-                     fused: list[layers.FusedEntry] = ()) -> dict:
+                     fused: list[commit.FusedEntry] = ()) -> dict:
         model = self.model_runner.model
         quant_config = self.vllm_config.quant_config
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
@@ -108,9 +108,9 @@ class NVFP4SamplerWorkerExtension:
         targets = reload_targets(model)
         with torch.no_grad():
             if fused:
-                names = layers.apply_fused(targets, fused, config=config, tensors=tensors)
+                names = commit.apply_fused(targets, fused, config=config, tensors=tensors)
             else:
-                names = layers.apply_update(targets, tensors, config=config)
+                names = commit.apply_update(targets, tensors, config=config)
             _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names
                                            if n in targets and targets[n].param is not None})
         self.nvfp4_version = int(version)

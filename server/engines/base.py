@@ -105,7 +105,7 @@ class Engine(abc.ABC):
         time spent handing the tensors over (e.g. writing a file) before the engine applied them."""
 
     async def apply_fused(self, entries: list, version: int) -> dict:
-        """A planned update's fused entries (`sampler_plugin.layers.FusedEntry`, views of the staged
+        """A planned update's fused entries (`sampler_plugin.commit.FusedEntry`, views of the staged
         buckets): same contract as `apply_update`. This default hands over their checkpoint-named
         members; an engine that can writes each fused entry with one copy per tensor kind."""
         return await self.apply_update({k: t for e in entries for k, t in e.members().items()}, version)

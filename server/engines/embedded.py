@@ -19,31 +19,31 @@ import torch
 from safetensors.torch import load_file
 
 from nvfp4_sampler.kernels import NVFP4Tensor
-from nvfp4_sampler.sampler_plugin import layers
+from nvfp4_sampler.sampler_plugin import commit, layers
 from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from .base import Engine, EngineError, checkpoint_specs, sampler_config
 
 
-def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[str, layers.Target]:
-    """Checkpoint name -> layers.Target of a `quantize_model`-ed transformers model: NVFP4 linears and
+def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[str, commit.Target]:
+    """Checkpoint name -> commit.Target of a `quantize_model`-ed transformers model: NVFP4 linears and
     each expert projection by module prefix, every other parameter by its full name."""
-    targets: dict[str, layers.Target] = {}
+    targets: dict[str, commit.Target] = {}
     for name, kind in replaced.items():
         mod = model.get_submodule(name)
         if kind == "linear":
             n, k = mod.codes.shape[0], mod.codes.shape[1] * 2
-            targets[name] = layers.Target(weight=mod.weight(), shard=layers.Shard(name, (n, k), slice(0, n)))
+            targets[name] = commit.Target(weight=mod.weight(), shard=layers.Shard(name, (n, k), slice(0, n)))
             continue
         w13, w2 = (NVFP4Tensor(*p) for p in (mod.w13, mod.w2))
         experts, hidden, inter = w2.codes.shape[0], w2.codes.shape[1], w2.codes.shape[2] * 2
         for e in range(experts):
             for sid, shard in layers.expert_shards(name, e, hidden=hidden, inter=inter).items():
-                targets[shard.name] = layers.Target(weight=w2 if sid == "w2" else w13, shard=shard)
+                targets[shard.name] = commit.Target(weight=w2 if sid == "w2" else w13, shard=shard)
     for name, p in model.named_parameters(remove_duplicate=False):
         if name.rpartition(".")[0] not in replaced and not name.startswith(tuple(f"{r}." for r in replaced)):
-            targets[name] = layers.Target(param=p.data)
+            targets[name] = commit.Target(param=p.data)
     return targets
 
 
@@ -126,24 +126,24 @@ class EmbeddedEngine(Engine):
         self._version = version
         return {"tensors": n, "seconds": time.perf_counter() - t0}
 
-    async def apply_fused(self, entries: list[layers.FusedEntry], version: int) -> dict:
+    async def apply_fused(self, entries: list[commit.FusedEntry], version: int) -> dict:
         return await self._run(self._apply_fused, entries, version)
 
-    def _apply_fused(self, entries: list[layers.FusedEntry], version: int) -> dict:
+    def _apply_fused(self, entries: list[commit.FusedEntry], version: int) -> dict:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                n = len(layers.apply_fused(self.targets, entries, config=self.config))
+                n = len(commit.apply_fused(self.targets, entries, config=self.config))
         except ValueError as e:
             raise EngineError(str(e), status=422) from e
         self._version = version
         return {"tensors": n, "entries": len(entries), "seconds": time.perf_counter() - t0}
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Validate every checkpoint-named tensor, then write them all (layers.apply_update)."""
+        """Validate every checkpoint-named tensor, then write them all (commit.apply_update)."""
         try:
             with torch.no_grad():
-                return len(layers.apply_update(self.targets, tensors, config=self.config))
+                return len(commit.apply_update(self.targets, tensors, config=self.config))
         except ValueError as e:
             raise EngineError(str(e), status=422) from e
 

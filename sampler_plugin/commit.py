@@ -1,0 +1,298 @@
+"""Writing a weight update into an engine's NVFP4 layers, all or nothing.
+
+`apply_update` takes checkpoint-named tensors, `apply_fused` whole planned entries (`server.plan`: all
+experts of a projection, a fused qkv / gate_up, as one tensor per kind); both check the whole call
+first (names, dtypes, shapes, NaN/Inf, complete triplets) and write nothing when any tensor is bad,
+naming it (docs/ARCHITECTURE.md, "Weight updates: one rule"). `Target` says where a checkpoint tensor
+lives in the engine (`core.reload_targets`). Storage layouts and the per-tensor writes: `layers`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from nvfp4_sampler.kernels.format import NVFP4Tensor
+from nvfp4_sampler.sampler_format import SamplerConfig
+
+from . import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A reloadable checkpoint tensor group: an NVFP4 shard (weight + shard) or a plain tensor (param)."""
+
+    weight: NVFP4Tensor | None = None
+    shard: layers.Shard | None = None
+    param: torch.Tensor | None = None
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """"a.b.q_proj.weight_scale" -> ("a.b.q_proj", "weight_scale")."""
+    prefix, _, kind = name.rpartition(".")
+    return prefix, kind
+
+
+def check_group(prefix: str, group: Mapping[str, torch.Tensor]) -> None:
+    """Raise ValueError unless an update's tensors of checkpoint tensor `prefix` ({kind: tensor}) are a
+    float weight alone (quantized on arrival) or the whole NVFP4 triplet."""
+    online = "weight" in group and group["weight"].dtype in layers.FLOAT_DTYPES
+    expected = {"weight"} if online else set(layers.KINDS)
+    if set(group) != expected:
+        wrong = sorted(expected - set(group)) or sorted(set(group) - expected)
+        raise ValueError(f"nvfp4_sampler: {prefix}.{wrong[0]}: an update of {prefix} holds either a float "
+                         f"weight (quantized on arrival) or all of {list(layers.KINDS)}; got {sorted(group)}")
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or Inf (True for integer tensors; float8 is widened first)."""
+    if not tensor.is_floating_point():
+        return True
+    return bool(torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor).all())
+
+
+def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
+                 config: SamplerConfig) -> list[str]:
+    """Write checkpoint-named `tensors` into a running model, all-or-nothing (the update rule,
+    docs/ARCHITECTURE.md "Weight updates: one rule").
+
+    targets: checkpoint module prefix (NVFP4 shards) or full tensor name (plain tensors) -> Target.
+    An NVFP4 shard takes a float `P.weight` (quantized here) or the full triplet. Every name, dtype,
+    shape and value (no NaN/Inf in a float tensor) is checked before anything is written;
+    ValueError names the first bad tensor. Returns the names written.
+    """
+    checked = _check_update(targets, tensors)
+    _write_checked(targets, checked, config=config)
+    return sorted(tensors)
+
+
+def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor]):
+    """The whole-call check of `apply_update` (writes nothing): (plain copies, NVFP4 groups)."""
+    plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        target = targets.get(name)
+        if target is not None and target.param is not None:
+            if tuple(tensor.shape) != tuple(target.param.shape) or not tensor.dtype.is_floating_point:
+                raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} dtype {tensor.dtype} does not "
+                                 f"match the model's {tuple(target.param.shape)} {target.param.dtype}")
+            if not is_finite(tensor):
+                raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
+            plain.append((target.param, tensor))
+            continue
+        prefix, kind = split_name(name)
+        target = targets.get(prefix)
+        if target is None or target.shard is None:
+            raise ValueError(f"nvfp4_sampler: {name}: no such tensor in the model")
+        layers.validate(target.shard, kind, tensor)                  # a float weight: NaN/Inf checked there
+        if kind != "weight" and not is_finite(tensor):
+            raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
+        groups.setdefault(prefix, {})[kind] = tensor
+    for prefix, group in groups.items():
+        check_group(prefix, group)
+    return plain, groups
+
+
+def _write_checked(targets: Mapping[str, Target], checked, *, config: SamplerConfig) -> None:
+    plain, groups = checked
+    for param, tensor in plain:
+        param.copy_(tensor)
+    for prefix, group in groups.items():
+        for kind, tensor in group.items():
+            layers.write(targets[prefix].weight, targets[prefix].shard, kind, tensor, config=config)
+
+
+# ---- fused updates: one copy per tensor kind of a whole fused entry ------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FusedSlot:
+    """A checkpoint tensor inside a fused entry: its rows [row0, row1) (of every expert when
+    `experts` is set) and its decode-scale slot (an index into the last dim of weight_scale_2).
+    name: the checkpoint tensor name ("P.weight" for NVFP4); with `experts`, a template holding "{e}"
+    ("...mlp.experts.{e}.gate_proj.weight"), one checkpoint tensor per expert 0 .. experts-1."""
+
+    name: str
+    row0: int
+    row1: int
+    slot: int = 0
+    experts: int | None = None
+
+    def names(self) -> list[tuple[str, int | None]]:
+        """(checkpoint tensor name, expert) of every tensor this slot stands for."""
+        if self.experts is None:
+            return [(self.name, None)]
+        return [(self.name.format(e=e), e) for e in range(self.experts)]
+
+    def to_list(self) -> list:
+        return [self.name, self.row0, self.row1, self.slot, self.experts]
+
+    @classmethod
+    def from_list(cls, row) -> FusedSlot:
+        name, row0, row1, slot, experts = row
+        return cls(str(name), int(row0), int(row1), int(slot), None if experts is None else int(experts))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedEntry:
+    """One fused entry of an update as the engines hold it (`server.plan`): all experts of a MoE
+    projection stacked (`P.experts.w13_weight`: codes [E, 2I, K/2], block scales [E, 2I, K/16],
+    decode scales [E, 2]), a fused linear (`P.qkv_proj.weight`: [N, K/2], [N, K/16], [3]), a single
+    NVFP4 tensor (decode scale []), or a dense tensor. `tensors`: {"weight", "weight_scale",
+    "weight_scale_2"} (layout "nvfp4") or {"dense"} (layout "dense")."""
+
+    name: str
+    layout: str
+    slots: tuple[FusedSlot, ...]
+    tensors: Mapping[str, torch.Tensor]
+
+    def members(self) -> dict[str, torch.Tensor]:
+        """The checkpoint-named tensors (views, no copy): what the per-tensor path takes."""
+        out: dict[str, torch.Tensor] = {}
+        for slot in self.slots:
+            for name, e in slot.names():
+                lead = () if e is None else (e,)
+                rows = lead + (slice(slot.row0, slot.row1),)
+                if self.layout == "dense":
+                    t = self.tensors["dense"]
+                    out[name] = t if (e is None and len(self.slots) == 1) else t[rows]
+                    continue
+                prefix = name.removesuffix(".weight")
+                s2 = self.tensors["weight_scale_2"]
+                out[name] = self.tensors["weight"][rows]
+                out[f"{prefix}.weight_scale"] = self.tensors["weight_scale"][rows]
+                out[f"{prefix}.weight_scale_2"] = s2 if s2.dim() == 0 else s2[lead + (slot.slot,)]
+        return out
+
+
+def _full(s: slice, n: int) -> bool:
+    """Whether slice `s` of a dim of size n is all of it."""
+    return s.step in (None, 1) and s.start in (None, 0) and (s.stop is None or s.stop == n)
+
+
+def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
+    """(storage, row -> slot index or None) if `entry` fills one NVFP4 storage exactly, row for row, in
+    its layout (then its tensors are copied whole); None otherwise (the per-tensor path)."""
+    if entry.layout != "nvfp4" or set(entry.tensors) != set(layers.KINDS):
+        return None
+    storage, nrows, row_slot = None, None, {}
+    for slot in entry.slots:
+        for name, e in slot.names():
+            t = targets.get(name.removesuffix(".weight"))
+            if t is None or t.shard is None:
+                return None
+            sh = t.shard
+            if storage is None:
+                storage = t.weight
+                nrows = storage.codes.shape[-2]
+            elif t.weight.codes.data_ptr() != storage.codes.data_ptr() or t.weight.codes.shape != storage.codes.shape:
+                return None
+            if (sh.expert != e or not _full(sh.src_rows, sh.shape[0]) or not _full(sh.src_cols, sh.shape[1])
+                    or (sh.rows.start, sh.rows.stop) != (slot.row0, slot.row1) or sh.shape[0] != slot.row1 - slot.row0):
+                return None
+        row_slot[(slot.row0, slot.row1)] = slot.slot
+    if storage is None or storage.codes.is_meta:
+        return None
+    w, ws, s2 = (entry.tensors[k] for k in layers.KINDS)
+    if (w.dtype != storage.codes.dtype or ws.dtype != storage.block_scales.dtype
+            or tuple(w.shape) != tuple(storage.codes.shape) or tuple(ws.shape) != tuple(storage.block_scales.shape)):
+        return None
+    covered = sorted(row_slot)                                # the slots tile the rows exactly
+    if covered[0][0] != 0 or covered[-1][1] != nrows or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+        return None
+    lead = tuple(storage.codes.shape[:-2])
+    nslots = len(row_slot)
+    if nslots != len(entry.slots) or sorted(row_slot.values()) != list(range(nslots)):
+        return None
+    if s2.dtype != torch.float32 or tuple(s2.shape) != lead + (nslots,) and not (s2.dim() == 0 and nslots == 1
+                                                                               and not lead):
+        return None
+    per_row = storage.global_scale.dim() == storage.codes.dim() - 1
+    if not per_row and nslots != 1:
+        return None
+    index = None
+    if per_row and s2.dim():
+        index = torch.empty(nrows, dtype=torch.long)
+        for (r0, r1), k in row_slot.items():
+            index[r0:r1] = k
+    return storage, per_row, index
+
+
+def _write_fused(storage: NVFP4Tensor, per_row: bool, index: torch.Tensor | None, tensors) -> None:
+    w, ws, s2 = (tensors[k] for k in layers.KINDS)
+    storage.codes.copy_(w)
+    storage.block_scales.copy_(ws)
+    gs = storage.global_scale
+    if s2.dim() == 0:
+        gs.copy_(s2.expand_as(gs))
+    elif per_row:
+        gs.copy_(s2.index_select(-1, index.to(s2.device)))
+    else:
+        gs.copy_(s2[..., 0])
+
+
+def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *, config: SamplerConfig,
+                tensors: Mapping[str, torch.Tensor] | None = None, check_only: bool = False) -> list[str]:
+    """Write fused entries (and checkpoint-named `tensors`, if any) into a running model, all-or-
+    nothing, with the same checks and the same resulting storage as `apply_update` of their members.
+
+    An NVFP4 entry that fills one storage exactly (every expert of w13 / w2, every part of a fused
+    qkv / gate_up, unsharded) is checked whole (dtypes, shapes, no NaN in the block scales, finite
+    decode scales) and written with one copy per tensor kind. Any other entry (a tensor-parallel
+    shard, an engine that holds the parts apart, a dense tensor) takes the per-tensor checks and
+    writes of `apply_update`. Everything is checked before anything is written; ValueError names
+    the first bad tensor (the fused entry's tensors are checked in one pass each; on failure the
+    per-tensor check of its members names the checkpoint tensor). Returns the checkpoint names written
+    (check_only: checks everything, writes nothing, returns []).
+    """
+    fast: list[tuple[FusedEntry, tuple]] = []
+    rest: dict[str, torch.Tensor] = dict(tensors or {})
+    for entry in entries:
+        plan = _fused_plan(targets, entry)
+        if plan is None:
+            _add_members(rest, entry)
+        else:
+            fast.append((entry, plan))
+    bad = _invalid_fused([e for e, _ in fast])                # one host sync for all of them
+    if bad:
+        for i in bad:                                         # the per-tensor check names the bad tensor
+            _add_members(rest, fast[i][0])
+        fast = [f for i, f in enumerate(fast) if i not in bad]
+    checked = _check_update(targets, rest)                    # raises before anything is written
+    if check_only:
+        return []
+    for entry, (storage, per_row, index) in fast:
+        _write_fused(storage, per_row, index, entry.tensors)
+    _write_checked(targets, checked, config=config)
+    names = list(rest)
+    for entry, _ in fast:
+        for slot in entry.slots:
+            for n, _ in slot.names():
+                p = n.removesuffix(".weight")
+                names += [n, f"{p}.weight_scale", f"{p}.weight_scale_2"]
+    return sorted(names)
+
+
+def _add_members(rest: dict[str, torch.Tensor], entry: FusedEntry) -> None:
+    members = entry.members()
+    dup = members.keys() & rest.keys()
+    if dup:
+        raise ValueError(f"nvfp4_sampler: {sorted(dup)[0]}: sent twice in one update")
+    rest.update(members)
+
+
+def _invalid_fused(entries: list[FusedEntry]) -> set[int]:
+    """Indices of the entries whose block scales hold a NaN (e4m3fn: S.1111.111) or whose decode
+    scales are not finite: a device flag per entry, one host synchronisation per device."""
+    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, e in enumerate(entries):
+        ws, s2 = e.tensors["weight_scale"], e.tensors["weight_scale_2"]
+        f = ((ws.view(torch.uint8) & 0x7F) == 0x7F).any() | ~torch.isfinite(s2).all()
+        flags.setdefault(f.device, []).append((i, f))
+    bad: set[int] = set()
+    for items in flags.values():
+        stacked = torch.stack([f for _, f in items])
+        if bool(stacked.any()):
+            bad.update(i for (i, _), b in zip(items, stacked.tolist()) if b)
+    return bad
