@@ -39,13 +39,15 @@ MODES = {"eager": dict(enforce_eager=True),
          "compiled": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE})}
 
 
-# Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels)
-CATEGORIES = (("nvfp4 linear", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue", "_dequant_bf16")),
+# Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels). The
+# MoE experts run the same NVFP4 GEMM kernels as the linears; their routing sorts run torch's sort kernels.
+CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue",
+                                                      "_dequant_bf16")),
               ("nvfp4 activation quantization", ("_act_quant",)),
-              ("nvfp4 moe", ("_moe", "_route")),
               ("attention", ("attention", "attn", "flash", "fmha", "paged", "reshape_and_cache")),
               ("bf16 gemm (cuBLAS / lm_head / router)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")),
-              ("sampling, top-k, softmax", ("sampl", "topk", "softmax", "argmax", "sort", "cumsum", "gumbel")),
+              ("sort, top-k, softmax (sampling, MoE routing)", ("sampl", "topk", "softmax", "argmax", "sort", "cumsum",
+                                                               "gumbel")),
               ("norms, rotary, activations, elementwise (compiled)", ("triton", "rms", "norm", "rotary", "silu",
                                                                       "elementwise", "vectorized", "act_and_mul")))
 REPEATS = 5

@@ -147,7 +147,8 @@ def _smem_bytes(nt: int, cps: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _tickets(device_index: int) -> torch.Tensor:
-    """Zeroed int32 split-K tickets, shared by every launch on the device (the kernel leaves them 0)."""
+    """Zeroed int32 split-K tickets, shared by every launch on the device (the kernel leaves them 0):
+    launches must not overlap on two streams (engines run a forward on one stream)."""
     return torch.zeros(1 << 20, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
