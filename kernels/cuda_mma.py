@@ -70,14 +70,18 @@ def shape_ok(n: int, k: int) -> bool:
     return n % 16 == 0 and k % CHUNK == 0 and k > 0
 
 
-def config(n: int, k: int) -> dict:
+def config(n: int, k: int, *, cps: int | None = None) -> dict:
     """Launch constants from the weight shape alone (never M: the reduction order must not depend
     on the batch): CPS chunks of 128 per split-K slice, S slices, ROW_CTAS CTAs of ROW_TILES * 16 rows.
     CPS is 8 where that still gives _MIN_CTAS CTAs, else 4: on the H200 more, shorter slices ran
-    faster (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4)."""
+    faster (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4).
+    cps: an override (benchmarks; 1.._MAX_CPS), which changes the summation order."""
     chunks = k // CHUNK
     row_ctas = -(-n // (16 * ROW_TILES))
-    cps = min(chunks, 8 if row_ctas * -(-chunks // 8) >= _MIN_CTAS else 4)
+    if cps is None:
+        cps = min(chunks, 8 if row_ctas * -(-chunks // 8) >= _MIN_CTAS else 4)
+    elif not 1 <= cps <= _MAX_CPS:
+        raise ValueError(f"cps must be in [1, {_MAX_CPS}], got {cps}")
     return dict(CPS=cps, S=-(-chunks // cps), ROW_CTAS=row_ctas)
 
 
@@ -87,28 +91,19 @@ def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
     return [n // 16, 2, 8, k // CHUNK, 4, unit], [0, 3, 1, 2, 4, 5]
 
 
-def tile_weight(w: NVFP4Tensor) -> NVFP4Tensor:
+def tile_weight(w: NVFP4Tensor, *, inverse: bool = False) -> NVFP4Tensor:
     """w [N, K] with codes and block scales rearranged (same shapes and dtypes) so that each warp of
-    the TILED kernel reads contiguous 512-byte runs; `untile_weight` inverts it. Any device."""
+    the TILED kernel reads contiguous 512-byte runs; inverse=True takes a tiled w back to the
+    ModelOpt row-major layout. Any device."""
     n, k = w.shape
     if w.codes.dim() != 2 or not shape_ok(n, k):
         raise ValueError(f"tile_weight needs [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
     out = []
     for t, unit in ((w.codes, 16), (w.block_scales.view(torch.uint8), 2)):
         shape, perm = _tile_order(n, k, unit)
+        if inverse:
+            shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
         out.append(t.reshape(shape).permute(perm).contiguous().reshape(t.shape))
-    return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
-
-
-def untile_weight(w: NVFP4Tensor) -> NVFP4Tensor:
-    """The inverse of `tile_weight`: the ModelOpt row-major layout."""
-    n, k = w.shape
-    out = []
-    for t, unit in ((w.codes, 16), (w.block_scales.view(torch.uint8), 2)):
-        shape, perm = _tile_order(n, k, unit)
-        tiled_shape = [shape[i] for i in perm]
-        inverse = [perm.index(i) for i in range(len(perm))]
-        out.append(t.reshape(tiled_shape).permute(inverse).contiguous().reshape(t.shape))
     return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
 
 
@@ -178,7 +173,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
     tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
-    cps   override of `config`'s chunks per split (benchmarks; 1.._MAX_CPS): changes the summation order
+    cps   override of `config`'s chunks per split (benchmarks)
     """
     m, k = x.shape
     n = w.shape[0]
@@ -193,11 +188,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"bias must be contiguous [{n}] {out.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     if m == 0:
         return out
-    cfg = config(n, k)
-    if cps is not None:
-        if not 1 <= cps <= _MAX_CPS:
-            raise ValueError(f"cps must be in [1, {_MAX_CPS}], got {cps}")
-        cfg = dict(cfg, CPS=cps, S=-(-(k // CHUNK) // cps))
+    cfg = config(n, k, cps=cps)
     nt = 1 if m <= 8 else 2
     m_tiles = -(-m // (8 * nt))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
