@@ -45,6 +45,12 @@ def check_group(prefix: str, group: Mapping[str, torch.Tensor]) -> None:
                          f"weight (quantized on arrival) or all of {list(layers.KINDS)}; got {sorted(group)}")
 
 
+def e4m3_nan(bits: torch.Tensor) -> torch.Tensor:
+    """Elementwise: which bytes of float8_e4m3fn values (viewed as uint8) are NaN (S.1111.111; e4m3fn
+    has no Inf)."""
+    return (bits & 0x7F) == 0x7F
+
+
 def is_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN or Inf (True for integer tensors; float8 is widened first)."""
     if not tensor.is_floating_point():
@@ -288,7 +294,7 @@ def _invalid_fused(entries: list[FusedEntry]) -> set[int]:
     flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, e in enumerate(entries):
         ws, s2 = e.tensors["weight_scale"], e.tensors["weight_scale_2"]
-        f = ((ws.view(torch.uint8) & 0x7F) == 0x7F).any() | ~torch.isfinite(s2).all()
+        f = e4m3_nan(ws.view(torch.uint8)).any() | ~torch.isfinite(s2).all()
         flags.setdefault(f.device, []).append((i, f))
     bad: set[int] = set()
     for items in flags.values():

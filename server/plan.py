@@ -84,10 +84,7 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return _nbytes(self.region, self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,9 +143,7 @@ class TransferPlan:
 
     @property
     def plan_id(self) -> str:
-        text = json.dumps({"bucket_bytes": self.bucket_bytes,
-                           "manifest": [e.model_dump() for e in self.manifest]}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def nbytes(self) -> int:
@@ -202,8 +197,8 @@ class TransferPlan:
 
     def fused_entries(self, b: int, flat: torch.Tensor) -> list[commit.FusedEntry]:
         """Bucket `b`'s entries as `commit.FusedEntry`s over views of `flat` (for `commit.apply_fused`)."""
-        self._check(b, flat)
-        return [e.fused({p.kind: _view(flat, p) for p in e.parts}) for e in (self.entries[i] for i in self.buckets[b].entries)]
+        views = self.fused_views(b, flat)
+        return [self.entries[i].fused(views[self.entries[i].name]) for i in self.buckets[b].entries]
 
     def member_views(self, b: int, flat: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """Checkpoint entry name -> {checkpoint tensor name: view} for bucket `b` (no copy): an NVFP4
@@ -246,8 +241,8 @@ class TransferPlan:
             if check == "none":
                 continue
             span = flat[off:off + n]
-            if check == "not_nan":                        # e4m3fn: NaN is S.1111.111, no Inf
-                flag |= ((span & 0x7F) == 0x7F).any()
+            if check == "not_nan":
+                flag |= commit.e4m3_nan(span).any()
                 continue
             v = span.view(dtype)
             bad = ~torch.isfinite(v)
@@ -264,7 +259,7 @@ class TransferPlan:
                 if t.dtype == torch.uint8:
                     continue
                 if t.dtype == torch.float8_e4m3fn:
-                    if ((t.view(torch.uint8) & 0x7F) == 0x7F).any():
+                    if commit.e4m3_nan(t.view(torch.uint8)).any():
                         return f"{tname}: NaN in the block scales"
                 elif not bool(torch.isfinite(t).all()):
                     return f"{tname}: NaN or Inf values"
