@@ -31,7 +31,7 @@ export PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 
 step() {   # step NAME: its timeout (s) and command
     local limit cmd IFS=$' \t\n'
     case $1 in
-    kernels)   limit=150; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
+    kernels)   limit=260; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=250; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
