@@ -44,6 +44,8 @@ WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
                 [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
 GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_b=4), dict(block_b=8), dict(block_b=32),
               dict(num_warps=8), dict(min_programs=264), dict(min_programs=1056)]
+MMA_BENCH_MAX_M = 64      # the mma kernel is measured up to here (the default path takes it to cuda_mma.MMA_MAX_M)
+MMA_RW_SWEEP = (2, 4, 8, 16)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -170,7 +172,7 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
 
 
 def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
-    ms = (1, 4, 16, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    ms = (1, 4, 16, 64, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
@@ -182,7 +184,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
-            mma = m <= cuda_mma.MMA_MAX_M and cuda_mma.shape_ok(n, k)
+            mma = m <= MMA_BENCH_MAX_M and cuda_mma.shape_ok(n, k)
             for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024)
                          + ("bf16",)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
@@ -195,6 +197,9 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["mma_tiled_kernel_ms"] = graph_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, tiled=True) for w in w_t]) / len(w_t)
                 del w_t
+                if m in (1, 16, 64):                      # warps of 16 rows per CTA (`cuda_mma.tiles`)
+                    row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
+                                                                    for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -313,7 +318,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         if "mma_kernel_ms" in r:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
-                  f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us")
+                  f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
+                  + ("; by warps per CTA " + ", ".join(f"{rw}: {ms * 1e3:.1f}" for rw, ms in r["mma_rw_ms"].items())
+                     if "mma_rw_ms" in r else ""))
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "

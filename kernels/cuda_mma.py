@@ -23,11 +23,15 @@ import torch
 
 from .format import NVFP4Tensor
 
-MMA_MAX_M = 16            # tokens per CTA tile; larger M loops over tiles (same per-token result)
+MMA_MAX_M = 16            # the default path's upper end (`triton_gemm.linear_path`); any M runs, in token tiles
 MMA_MIN_M = 2             # the default path's lower end: at M = 1 the Triton GEMV measured faster on the H200
 CHUNK = 128               # K elements per chunk (one 16-byte load per row and thread)
-ROW_TILES = 4             # 16-row warp tiles per CTA
-_MAX_CPS = 16             # the largest slice a launch may take (dynamic shared memory: 64 KiB at 16 tokens)
+_CPS_ROWS = 64            # rows per CTA assumed when choosing the split-K slice (so that it depends on N, K only)
+_MAX_CPS = 16             # the largest slice a launch may take (dynamic shared memory: 128 KiB at 32 tokens)
+# (tokens per CTA tile, 16-row warp tiles per CTA) by M: wider CTAs at more tokens, so that the
+# activation slice each CTA stages in shared memory is read by more weight rows (at 16 tokens and 4
+# warps its L2 reads equalled the weight's); (nt, rw) never change the summation order
+TILES = ((8, 1, 4), (16, 2, 8), (None, 4, 8))
 _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
 _MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
 
@@ -56,9 +60,9 @@ def prepare(device: torch.device) -> tuple[bool, str]:
         return ok, reason
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        for nt in (1, 2):
+        for _, nt, rw in TILES:
             for out_bf16 in (True, False):
-                _kernel(nt, out_bf16, False, index)
+                _kernel(nt, rw, out_bf16, False, index)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -72,17 +76,26 @@ def shape_ok(n: int, k: int) -> bool:
 
 def config(n: int, k: int, *, cps: int | None = None) -> dict:
     """Launch constants from the weight shape alone (never M: the reduction order must not depend
-    on the batch): CPS chunks of 128 per split-K slice, S slices, ROW_CTAS CTAs of ROW_TILES * 16 rows.
-    CPS is 8 where that still gives _MIN_CTAS CTAs, else 4: on the H200 more, shorter slices ran
-    faster (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4).
+    on the batch): CPS chunks of 128 per split-K slice, S slices. CPS is 8 where that still gives
+    _MIN_CTAS CTAs of _CPS_ROWS rows, else 4: on the H200 more, shorter slices ran faster
+    (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4).
     cps: an override (benchmarks; 1.._MAX_CPS), which changes the summation order."""
     chunks = k // CHUNK
-    row_ctas = -(-n // (16 * ROW_TILES))
     if cps is None:
-        cps = min(chunks, 8 if row_ctas * -(-chunks // 8) >= _MIN_CTAS else 4)
+        cps = min(chunks, 8 if -(-n // _CPS_ROWS) * -(-chunks // 8) >= _MIN_CTAS else 4)
     elif not 1 <= cps <= _MAX_CPS:
         raise ValueError(f"cps must be in [1, {_MAX_CPS}], got {cps}")
-    return dict(CPS=cps, S=-(-chunks // cps), ROW_CTAS=row_ctas)
+    return dict(CPS=cps, S=-(-chunks // cps))
+
+
+def tiles(m: int, *, rw: int | None = None) -> tuple[int, int]:
+    """(NT token tiles of 8 per CTA, RW warps of 16 rows per CTA) for M tokens (`TILES`); rw: an
+    override (benchmarks; 1..16). Neither changes what a token's output is."""
+    nt, default_rw = next((nt, r) for top, nt, r in TILES if top is None or m <= top)
+    rw = default_rw if rw is None else rw
+    if not 1 <= rw <= 16:
+        raise ValueError(f"rw must be in [1, 16], got {rw}")
+    return nt, rw
 
 
 def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
@@ -112,12 +125,12 @@ def _cache_dir() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, out_bf16: bool, tiled: bool, device_index: int):
+def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, device_index: int):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
-    defines = [f"-DNT={nt}", f"-DRW={ROW_TILES}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}"]
+    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}"]
     source = _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
@@ -165,7 +178,8 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
-           bias: torch.Tensor | None = None, tiled: bool = False, cps: int | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None, tiled: bool = False, cps: int | None = None,
+           rw: int | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -173,7 +187,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
     tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
-    cps   override of `config`'s chunks per split (benchmarks)
+    cps   override of `config`'s chunks per split (benchmarks); rw: of `tiles`' warps per CTA
     """
     m, k = x.shape
     n = w.shape[0]
@@ -189,15 +203,15 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if m == 0:
         return out
     cfg = config(n, k, cps=cps)
-    nt = 1 if m <= 8 else 2
-    m_tiles = -(-m // (8 * nt))
+    nt, rw = tiles(m, rw=rw)
+    m_tiles, row_ctas = -(-m // (8 * nt)), -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
-    if cfg["ROW_CTAS"] * m_tiles > tickets.numel():
-        raise ValueError(f"too many tiles for the ticket buffer: {cfg['ROW_CTAS'] * m_tiles}")
+    if row_ctas * m_tiles > tickets.numel():
+        raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
     gs = w.global_scale
-    kernel = _kernel(nt, out.dtype == torch.bfloat16, tiled, dev)
+    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, tiled, dev)
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
@@ -205,7 +219,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     from torch.cuda import _utils
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
-    cfg_ = _LaunchConfig((ctypes.c_uint * 3)(cfg["ROW_CTAS"], cfg["S"], m_tiles), (ctypes.c_uint * 3)(32 * ROW_TILES, 1, 1),
+    cfg_ = _LaunchConfig((ctypes.c_uint * 3)(row_ctas, cfg["S"], m_tiles), (ctypes.c_uint * 3)(32 * rw, 1, 1),
                          _smem_bytes(nt, cfg["CPS"]), torch.cuda.current_stream(x.device).cuda_stream,
                          ctypes.pointer(_PDL), 1)
     _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg_), kernel.func, arg_ptrs,

@@ -141,9 +141,14 @@ class SamplerClient:
         """Planned update: stage bucket `bucket` from `flat`, a flat uint8 buffer laid out by the plan
         (`TransferPlan.pack`, or written in place through `fused_views`) on a GPU (CUDA IPC) or in
         shared memory (`ipc.shared_cpu_buffer`). Only the handle and the index travel; the sidecar
-        copies the bucket once, validates it in one pass and answers; `flat` may be reused then."""
+        copies the bucket once, validates it in one pass and answers; `flat` may be reused then.
+        The sidecar holds each distinct buffer open until the update ends (opened once): reuse a few
+        send buffers rather than a new one per bucket. Waits for `flat`'s stream (one host sync)."""
         from . import ipc
         from .protocol import IpcBucket
+
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
 
         req = IpcBucket(buffer=ipc.share(flat), bucket=bucket)
         r = self._call("POST", f"/v1/weights/updates/{update_id}/ipc", json=req.model_dump())

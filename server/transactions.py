@@ -22,7 +22,7 @@ import torch
 from . import ipc
 from .plan import TransferPlan
 from .engines.base import Engine, TensorSpec
-from .protocol import BeginRequest, CommitResult, IpcBucket, TensorEntry, UpdateStatus
+from .protocol import BeginRequest, CommitResult, IpcBucket, IpcHandle, TensorEntry, UpdateStatus
 from .wire import FrameParser, WireError, decode_payload, invalid_tensor, payload_nbytes
 
 
@@ -88,6 +88,18 @@ class Update:
     plan: TransferPlan | None = None                 # a planned update: IPC buckets by index only
     bucket_offsets: list[int] = dataclasses.field(default_factory=list)   # bucket b's place in `buffer`
     buckets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # planned: staged bucket bytes
+    opened: dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)  # shared buffers held open
+
+    def open_buffer(self, h: IpcHandle) -> torch.Tensor:
+        """The buffer a handle names, opened once per planned update and held until it ends: a sender
+        that reuses its send buffers pays the open (CUDA: cudaIpcOpenMemHandle) once, not per bucket.
+        A held CUDA buffer is not waited on again (torch reuses the open storage without the sender's
+        event): `SamplerClient.send_bucket` synchronises the sender's stream before it sends."""
+        key = (h.kind, h.handle, h.storage_offset_bytes, h.offset, h.nbytes)
+        flat = self.opened.get(key)
+        if flat is None:
+            flat = self.opened[key] = ipc.open_buffer(h)
+        return flat
 
     def status(self, *, data_port: int | None = None) -> UpdateStatus:
         return UpdateStatus(update_id=self.id, target_version=self.target_version, state=self.state,
@@ -251,7 +263,7 @@ class UpdateManager:
 
     def _end(self, u: Update, state: str) -> None:
         """Close `u`; its staging buffer becomes the spare once no body writes into it."""
-        u.state, u.staged, u.buckets = state, {}, {}
+        u.state, u.staged, u.buckets, u.opened = state, {}, {}, {}
         if not u.streaming and u.buffer is not None:
             self._spare, u.buffer, u.slots = u.buffer, None, {}
 
@@ -285,7 +297,7 @@ class UpdateManager:
             how = "planned: send buckets by index" if u.plan else "not planned: list the tensors of the bucket"
             raise UpdateError(f"update {u.id} is {how}", status=409)
         try:
-            flat = ipc.open_buffer(bucket.buffer)
+            flat = u.open_buffer(bucket.buffer) if u.plan is not None else ipc.open_buffer(bucket.buffer)
         except (RuntimeError, ValueError) as e:
             raise UpdateError(f"cannot open the shared buffer: {e}", status=422) from e
         if u.plan is not None:

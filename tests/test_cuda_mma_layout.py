@@ -79,22 +79,29 @@ def test_activation_permutation_pairs_each_element_with_its_weight():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("nt,bf16,tiled", [(1, 1, 0), (2, 1, 1), (2, 0, 0), (1, 1, 1)])
-def test_compiles_for_sm90_without_spills(tmp_path, nt, bf16, tiled):
+@pytest.mark.parametrize("nt,rw,bf16,tiled", [(1, 4, 1, 0), (2, 8, 1, 1), (2, 8, 0, 0), (1, 4, 1, 1), (4, 8, 1, 0)])
+def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled):
     res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
-                          f"-DNT={nt}", f"-DRW={cuda_mma.ROW_TILES}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}",
+                          f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}",
                           "-o", str(tmp_path / "k.cubin"), str(cuda_mma._SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "0 bytes spill stores" in res.stderr, res.stderr
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
-    assert regs <= 168, f"{regs} registers: fewer than 3 CTAs of {cuda_mma.ROW_TILES} warps per SM"
+    assert regs * 32 * rw * (3 if rw <= 4 else 2) <= 65536, f"{regs} registers: too few CTAs of {rw} warps per SM"
 
 
 def test_config_depends_on_the_weight_shape_only():
     for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152)]:
         cfg = cuda_mma.config(n, k)
         assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
-        assert cfg["CPS"] <= cuda_mma._MAX_CPS and cuda_mma._smem_bytes(2, cfg["CPS"]) <= 64 * 1024
+        assert cfg["CPS"] <= cuda_mma._MAX_CPS and cuda_mma._smem_bytes(4, cfg["CPS"]) <= 128 * 1024
+
+
+def test_tiles_cover_every_m():
+    assert [cuda_mma.tiles(m) for m in (1, 8, 9, 16, 17, 64, 4096)] == [(1, 4), (1, 4), (2, 8), (2, 8), (4, 8), (4, 8), (4, 8)]
+    assert cuda_mma.tiles(16, rw=2) == (2, 2)
+    with pytest.raises(ValueError):
+        cuda_mma.tiles(1, rw=17)
 
 
 def test_tiled_order_is_what_the_kernel_indexes():

@@ -59,7 +59,7 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tenso
 
 
 @pytest.mark.parametrize("n,k", [(16, 128), (48, 384), (640, 2048), (96, 1152), (4096, 4096), (256, 12288)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 40, 64])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_mma_matches_reference(mods, m, n, k, tiled):
     cuda_mma, _, tq = mods
@@ -78,6 +78,20 @@ def test_mma_matches_reference(mods, m, n, k, tiled):
         plain = torch.empty_like(out)
         cuda_mma.launch(a.values, a.global_scale, w, plain, bias=bias)
         assert torch.equal(out, plain), "the tiled layout changed the result"
+
+
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_warps_per_cta_do_not_change_the_result(mods, m):
+    """`tiles`' rw (warps of 16 rows per CTA) is a speed choice: every rw gives the same bits."""
+    cuda_mma, _, tq = mods
+    x, w = _x(m, 2048, seed=11), _w(640, 2048, seed=12, per_row=True)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    outs = []
+    for rw in (1, 4, 8, 16):
+        outs.append(torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
+        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], rw=rw)
+    _check(outs[0], x, w, None)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_mma_fp16_output(mods):

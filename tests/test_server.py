@@ -430,6 +430,21 @@ def test_ipc_buckets_update_equals_fresh_engine(client, models, reference_logpro
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
 
 
+def test_planned_update_opens_a_reused_send_buffer_once():
+    """A planned update holds each distinct shared buffer open (one open per buffer, not per bucket),
+    and sees the sender's later writes through it."""
+    from nvfp4_sampler.server import ipc
+    from nvfp4_sampler.server.transactions import Update
+
+    u = Update(id="u", target_version=1, manifest={}, slots={}, buffer=None)
+    flat, other = ipc.shared_cpu_buffer(256), ipc.shared_cpu_buffer(256)
+    first = u.open_buffer(ipc.share(flat))
+    flat.fill_(7)                                                        # the next bucket, same buffer
+    again = u.open_buffer(ipc.share(flat))
+    assert again is first and bool((again == 7).all())
+    assert u.open_buffer(ipc.share(other)) is not first and len(u.opened) == 2
+
+
 def test_planned_buckets_update_equals_fresh_engine(client, models, reference_logprobs):
     """A planned update (`server.plan`): the trainer and the sidecar build the same plan from the
     manifest; each bucket travels as a handle and an index (fused q/k/v and gate/up, fixed offsets);

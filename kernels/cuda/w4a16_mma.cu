@@ -1,7 +1,7 @@
 // Small-M exact W4A4 linear for sm_90 on FP16 tensor cores (mma.sync.m16n8k16, FP32 accumulation).
 // Compiled at run time by NVRTC (kernels/cuda_mma.py); no headers. The host defines
-//   NT        token tiles of 8 per CTA (1: M <= 8, 2: M <= 16); larger M loops over gridDim.z
-//   RW        16-row weight tiles per CTA, one per warp
+//   NT        token tiles of 8 per CTA (1, 2 or 4; `cuda_mma.TILES` by M); more tokens loop over gridDim.z
+//   RW        16-row weight tiles per CTA, one per warp (all share the CTA's staged activations)
 //   OUT_BF16  1: bf16 output and bias, 0: fp16
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
 //
