@@ -172,7 +172,7 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
 
 
 def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
-    ms = (1, 4, 16, 64, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 8192)
+    ms = (1, 4, 16, 32, 64, 4096) if quick else (1, 4, 16, 32, 64, 256, 1024, 4096, 8192)
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
@@ -197,7 +197,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["mma_tiled_kernel_ms"] = graph_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, tiled=True) for w in w_t]) / len(w_t)
                 del w_t
-                if m in (1, 16, 64):                      # warps of 16 rows per CTA (`cuda_mma.tiles`)
+                if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
                                                                     for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))

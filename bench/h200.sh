@@ -46,6 +46,12 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
     bench_sync) limit=220; cmd="python3 bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json" ;;
+    ncu_mma)   limit=150; cmd="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none
+                              -k w4a16_mma --section SpeedOfLight --section Occupancy --section LaunchStats
+                              --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis
+                              python3 bench/profile_mma.py --m 1,16,64" ;;
+    bench_sync_planned_12) limit=300; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
+                              --out $OUT/bench_sync_planned_12.json" ;;
     bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
                               --out $OUT/bench_sync_planned.json" ;;
     *) echo "unknown step $1" >> "$OUT/steps.txt"; return ;;

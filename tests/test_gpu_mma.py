@@ -120,7 +120,8 @@ def test_mma_is_batch_invariant(mods, n, k):
 def test_linear_takes_mma_for_decode(mods):
     _, tg, _ = mods
     w = _w(256, 512, seed=5, per_row=False)
-    assert [tg.linear_path(m, "per_token", w) for m in (1, 2, 16, 17)] == ["gemv", "mma", "mma", "packed"]
+    assert [tg.linear_path(m, "per_token", w) for m in (1, 2, 16, 17, 64)] == ["gemv", "mma", "mma", "mma", "mma"]
+    assert tg.linear_path(65, "per_token", w) == tg.linear_path(65, "per_token")           # past mma: the other paths
     assert tg.linear_path(1, "per_tensor", w) == "gemv"
     assert tg.linear_path(3, "per_token", _w(24, 512, seed=6, per_row=False)) == "gemv"    # N % 16 != 0
     x = _x(4, 512, seed=6)
