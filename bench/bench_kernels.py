@@ -46,6 +46,8 @@ GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_b=4), dict
               dict(num_warps=8), dict(min_programs=264), dict(min_programs=1056)]
 MMA_BENCH_MAX_M = 64      # the mma kernel is measured up to here (the default path takes it to cuda_mma.MMA_MAX_M)
 MMA_RW_SWEEP = (2, 4, 8, 16)
+MMA_STAGES_SWEEP = (2, 3, 4)
+MMA_CPS_SWEEP = (4, 8, 16)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -200,6 +202,13 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
                                                                     for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
+                if m in (4, 16, 64):                      # the weight pipeline's depth (`cuda_mma.STAGES`)
+                    row["mma_stages_ms"] = {st: graph_ms(lambda st=st: [cuda_mma.launch(xq.values, xq.global_scale, w, out,
+                                                                                        stages=st) for w in w_q]) / len(w_q)
+                                            for st in MMA_STAGES_SWEEP}
+                    row["mma_cps_ms"] = {c: graph_ms(lambda c=c: [cuda_mma.launch(xq.values, xq.global_scale, w, out,
+                                                                                  cps=c) for w in w_q]) / len(w_q)
+                                         for c in MMA_CPS_SWEEP if c <= k // cuda_mma.CHUNK}
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -320,7 +329,11 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
                   + ("; by warps per CTA " + ", ".join(f"{rw}: {ms * 1e3:.1f}" for rw, ms in r["mma_rw_ms"].items())
-                     if "mma_rw_ms" in r else ""))
+                     if "mma_rw_ms" in r else "")
+                  + ("; by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_stages_ms"].items())
+                     if "mma_stages_ms" in r else "")
+                  + ("; by chunks per split " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_cps_ms"].items())
+                     if "mma_cps_ms" in r else ""))
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "

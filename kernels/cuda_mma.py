@@ -33,6 +33,14 @@ _MAX_CPS = 16             # the largest slice a launch may take (dynamic shared 
 # activation slice each CTA stages in shared memory is read by more weight rows (at 16 tokens and 4
 # warps its L2 reads equalled the weight's); (nt, rw) never change the summation order
 TILES = ((8, 1, 4), (16, 2, 8), (None, 4, 8))
+STAGES = 3                # chunks in each warp's cp.async ring: on the H200 3 beat 4 and 6 at M = 16-64, and
+                          # registers in flight (56 -> 128 registers) at M = 16-64; they tied at M <= 4
+_SLOT_BYTES = 1152        # one chunk of a warp's ring: 16 rows x (64 code bytes + 8 scale bytes)
+_SMEM_LIMIT = 227 * 1024 - 64   # dynamic shared memory a CTA may take on sm_90 (beside its static 16 bytes)
+# Where `tile_weight` puts each code of a 32-bit word (sign bit, lowest magnitude bit) for the low half's
+# elements e0..e3 (e4..e7: the same + 16): e3 at the bits of its FP16 pair, e2 three bits lower, e1 and e0
+# with sign and magnitude 5 and 7 bits apart (the .cu file's `pairs` decodes them)
+_TILED_BITS = ((13, 0), (14, 3), (12, 6), (15, 9))
 _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
 _MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
 
@@ -63,7 +71,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     try:
         for _, nt, rw in TILES:
             for out_bf16 in (True, False):
-                _kernel(nt, rw, out_bf16, False, index)
+                _kernel(nt, rw, out_bf16, False, STAGES, index)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -105,19 +113,35 @@ def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
     return [n // 16, 2, 8, k // CHUNK, 4, unit], [0, 3, 1, 2, 4, 5]
 
 
+def _encode_words(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Codes uint8 [..., 4j] with every 32-bit word's eight E2M1 codes moved from ModelOpt's nibbles
+    (element i at bits 4i..4i+3) to `_TILED_BITS` (inverse: back)."""
+    w = codes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for half in (0, 16):
+        for i, (sign, mag) in enumerate(_TILED_BITS):
+            src, dst = ((half + 4 * i + 3, half + 4 * i), (half + sign, half + mag))[::-1 if inverse else 1]
+            out |= ((w >> src[0]) & 1) << dst[0] | ((w >> src[1]) & 7) << dst[1]
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).view(torch.uint8)
+
+
 def tile_weight(w: NVFP4Tensor, *, inverse: bool = False) -> NVFP4Tensor:
     """w [N, K] with codes and block scales rearranged (same shapes and dtypes) so that each warp of
-    the TILED kernel reads contiguous 512-byte runs; inverse=True takes a tiled w back to the
-    ModelOpt row-major layout. Any device."""
+    the TILED kernel reads contiguous 512-byte runs, and each 32-bit word of codes re-encoded for the
+    kernel's cheaper decode (`_TILED_BITS`); inverse=True takes a tiled w back to the ModelOpt layout.
+    Any device."""
     n, k = w.shape
     if w.codes.dim() != 2 or not shape_ok(n, k):
         raise ValueError(f"tile_weight needs [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
+    codes = _encode_words(w.codes, inverse=True) if inverse else w.codes
     out = []
-    for t, unit in ((w.codes, 16), (w.block_scales.view(torch.uint8), 2)):
+    for t, unit in ((codes, 16), (w.block_scales.view(torch.uint8), 2)):
         shape, perm = _tile_order(n, k, unit)
         if inverse:
             shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
         out.append(t.reshape(shape).permute(perm).contiguous().reshape(t.shape))
+    if not inverse:
+        out[0] = _encode_words(out[0])
     return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
 
 
@@ -126,12 +150,12 @@ def _cache_dir() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, device_index: int):
+def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_index: int):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
-    dynamic shared memory of the largest slice."""
+    dynamic shared memory of the largest slice (or the device's limit)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
-    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}"]
+    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}"]
     source = _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
@@ -145,13 +169,14 @@ def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, device_index: int):
         tmp.replace(path)
     with torch.cuda.device(device_index):
         kernel = _utils._cuda_load_module(ptx, ["w4a16_mma"])["w4a16_mma"]
-        kernel.set_shared_memory_config(_smem_bytes(nt, _MAX_CPS))
+        kernel.set_shared_memory_config(min(_smem_bytes(nt, _MAX_CPS, rw, stages), _SMEM_LIMIT))
     return kernel
 
 
-def _smem_bytes(nt: int, cps: int) -> int:
-    """Dynamic shared memory of a CTA: its activation slice, fp16 [nt * 8, cps * 128]."""
-    return nt * 8 * cps * CHUNK * 2
+def _smem_bytes(nt: int, cps: int, rw: int, stages: int) -> int:
+    """Dynamic shared memory of a CTA: its activation slice, fp16 [nt * 8, cps * 128], then each warp's
+    ring of `stages` chunks."""
+    return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,7 +205,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, tiled: bool = False, cps: int | None = None,
-           rw: int | None = None) -> torch.Tensor:
+           rw: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -188,7 +213,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
     tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
-    cps   override of `config`'s chunks per split (benchmarks); rw: of `tiles`' warps per CTA
+    cps   override of `config`'s chunks per split (benchmarks); rw: of `tiles`' warps per CTA;
+          stages: of the weight pipeline's depth (2..8; none changes the result)
     """
     m, k = x.shape
     n = w.shape[0]
@@ -201,6 +227,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"out must be contiguous bf16/fp16 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{n}] {out.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    if not 2 <= stages <= 8:
+        raise ValueError(f"stages must be in [2, 8], got {stages}")
     if m == 0:
         return out
     cfg = config(n, k, cps=cps)
@@ -212,7 +240,10 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
     gs = w.global_scale
-    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, tiled, dev)
+    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, tiled, stages, dev)
+    smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
@@ -221,7 +252,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
     cfg_ = _LaunchConfig((ctypes.c_uint * 3)(row_ctas, cfg["S"], m_tiles), (ctypes.c_uint * 3)(32 * rw, 1, 1),
-                         _smem_bytes(nt, cfg["CPS"]), torch.cuda.current_stream(x.device).cuda_stream,
+                         smem, torch.cuda.current_stream(x.device).cuda_stream,
                          ctypes.pointer(_PDL), 1)
     _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg_), kernel.func, arg_ptrs,
                                                                           None))

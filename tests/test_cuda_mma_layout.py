@@ -78,11 +78,38 @@ def test_activation_permutation_pairs_each_element_with_its_weight():
     assert np.array_equal(total * 2.0 ** 14, want)
 
 
+_PAIRS = re.search(r"#if TILED\n  p\[0\] = w & (0x\w+)u;\n  p\[1\] = \(w << (\d+)\) & (0x\w+)u;\n"
+                   r"  p\[2\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;\n"
+                   r"  p\[3\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;", SOURCE)
+
+
+def test_tiled_words_decode_to_the_same_pairs():
+    """Every code of a word re-encoded by tile_weight decodes, by the kernel's TILED `pairs` (constants
+    read from the source), to the FP16 pair that `dec` gives for the ModelOpt word: all 16 x 16 codes
+    in every slot, with random neighbours."""
+    import torch
+    m0, s1, m1, k2, f2, m2, k3, f3, m3 = (int(v, 0) for v in _PAIRS.groups())
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 16, size=(4096, 8), dtype=np.uint32)
+    codes[:256, :4] = np.stack(np.meshgrid(np.arange(16), np.arange(16)), -1).reshape(256, 2).repeat(2, 1)
+    codes[256:512, 4:] = codes[:256, :4]
+    word = sum(codes[:, i] << np.uint32(4 * i) for i in range(8)).astype(np.uint32)
+    tiled = cuda_mma._encode_words(torch.from_numpy(word.view(np.uint8).copy())).numpy().view(np.uint32).astype(np.uint64)
+    mask32 = np.uint64(0xFFFFFFFF)
+    got = [tiled & np.uint64(m0), (tiled << np.uint64(s1)) & np.uint64(m1),
+           ((tiled & np.uint64(k2)) * np.uint64(f2) & mask32) & np.uint64(m2),
+           ((tiled & np.uint64(k3)) * np.uint64(f3) & mask32) & np.uint64(m3)]
+    for i, shift in enumerate((0, 4, 8, 12)):
+        want = _dec((word << np.uint32(shift)) & np.uint32(0xFFFFFFFF))
+        assert np.array_equal(got[i].astype(np.uint32), want), f"pair {i}"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("nt,rw,bf16,tiled", [(1, 4, 1, 0), (2, 8, 1, 1), (2, 8, 0, 0), (1, 4, 1, 1), (4, 8, 1, 0)])
-def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled):
+@pytest.mark.parametrize("nt,rw,bf16,tiled,stages", [(1, 4, 1, 0, cuda_mma.STAGES), (2, 8, 1, 1, cuda_mma.STAGES),
+                                                      (2, 8, 0, 0, 8), (1, 4, 1, 1, 2), (4, 8, 1, 0, cuda_mma.STAGES)])
+def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages):
     res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
-                          f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}",
+                          f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}", f"-DSTAGES={stages}",
                           "-o", str(tmp_path / "k.cubin"), str(cuda_mma._SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "0 bytes spill stores" in res.stderr, res.stderr
@@ -94,7 +121,8 @@ def test_config_depends_on_the_weight_shape_only():
     for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152)]:
         cfg = cuda_mma.config(n, k)
         assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
-        assert cfg["CPS"] <= cuda_mma._MAX_CPS and cuda_mma._smem_bytes(4, cfg["CPS"]) <= 128 * 1024
+        assert cfg["CPS"] <= cuda_mma._MAX_CPS
+        assert cuda_mma._smem_bytes(4, cfg["CPS"], 8, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
 
 
 def test_tiles_cover_every_m():
@@ -122,7 +150,8 @@ def test_tiled_order_is_what_the_kernel_indexes():
                     for t in range(4):
                         i = ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t    # w_index, TILED
                         row = n0 + g + 8 * half
-                        assert torch.equal(codes[i], w.codes[row, c * 64 + t * 16: c * 64 + t * 16 + 16])
+                        want = cuda_mma._encode_words(w.codes[row, c * 64 + t * 16: c * 64 + t * 16 + 16])
+                        assert torch.equal(codes[i], want)
                         assert torch.equal(scales[i], wsc[row, c * 8 + t * 2: c * 8 + t * 2 + 2])
     back = cuda_mma.tile_weight(tw, inverse=True)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.block_scales.view(torch.uint8), wsc)

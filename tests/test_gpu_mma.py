@@ -81,15 +81,16 @@ def test_mma_matches_reference(mods, m, n, k, tiled):
 
 
 @pytest.mark.parametrize("m", [1, 16, 40])
-def test_warps_per_cta_do_not_change_the_result(mods, m):
-    """`tiles`' rw (warps of 16 rows per CTA) is a speed choice: every rw gives the same bits."""
+def test_warps_per_cta_and_stages_do_not_change_the_result(mods, m):
+    """`tiles`' rw (warps of 16 rows per CTA) and the weight pipeline's depth are speed choices: every
+    choice gives the same bits."""
     cuda_mma, _, tq = mods
     x, w = _x(m, 2048, seed=11), _w(640, 2048, seed=12, per_row=True)
     a = tq.quantize_per_token_exact(x, dtype=torch.float16)
     outs = []
-    for rw in (1, 4, 8, 16):
+    for rw, stages in [(1, 2), (4, 3), (8, 3), (16, 2), (1, 8), (4, 4), (8, 6), (16, 8)]:
         outs.append(torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
-        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], rw=rw)
+        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], rw=rw, stages=stages)
     _check(outs[0], x, w, None)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 

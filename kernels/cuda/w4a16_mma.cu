@@ -4,10 +4,12 @@
 //   RW        16-row weight tiles per CTA, one per warp (all share the CTA's staged activations)
 //   OUT_BF16  1: bf16 output and bias, 0: fp16
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
+//   STAGES    chunks in each warp's ring in shared memory (2..8): a warp streams its rows through it by
+//             cp.async, STAGES - 1 chunks in flight without holding registers
 //
-// Operands. Weight: ModelOpt NVFP4 as stored (codes uint8 [N, K/2], even element in the low nibble;
-// e4m3 scales [N, K/16]; FP32 S_dec [N] or []), read in place, no repacking. Activation: exact FP16
-// values e2m1(q_a) * s_a [M, K] and FP32 S_dec_a [M] from the per-token quantizer.
+// Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
+// [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
+// Activation: exact FP16 values e2m1(q_a) * s_a [M, K] and FP32 S_dec_a [M] from the per-token quantizer.
 //
 // Fragment mapping. An MMA's k order is free as long as both operands use it. Thread (g = lane/4,
 // t = lane%4) of a warp owns, in each 128-element chunk, the elements [32t, 32t + 32) of its rows
@@ -33,6 +35,26 @@ typedef unsigned short u16;
 
 __device__ __forceinline__ u32 dec(u32 w) { return (w & 0x80008000u) | ((w & 0x70007000u) >> 3); }
 
+// The four FP16 pairs of a 32-bit word of codes, p[i] = (e2m1(e_{3-i}), e2m1(e_{7-i})) * 2^-14 (the MMA's
+// A-operand order). ModelOpt words: dec of the word shifted by 0, 4, 8, 12 (3-4 instructions a pair).
+// TILED words (`cuda_mma.tile_weight` re-encodes each word; `_TILED_BITS` says where each bit lives): e3
+// already sits at the FP16 pair's bits (one AND), e2 three bits lower (a shift and an AND), e1 and e0 with
+// sign and magnitude apart by 5 and 7 bits, which one multiply by 2 + 64 (4 + 512) moves into place at
+// once; the copies it leaves elsewhere are masked (2.25 instructions a pair).
+__device__ __forceinline__ void pairs(u32 w, u32 (&p)[4]) {
+#if TILED
+  p[0] = w & 0x8E008E00u;
+  p[1] = (w << 3) & 0x8E008E00u;
+  p[2] = ((w & 0x40384038u) * 66u) & 0x8E008E00u;
+  p[3] = ((w & 0x20072007u) * 516u) & 0x8E008E00u;
+#else
+  p[0] = dec(w);
+  p[1] = dec(w << 4);
+  p[2] = dec(w << 8);
+  p[3] = dec(w << 12);
+#endif
+}
+
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -51,12 +73,24 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   return r;
 }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {   // dst: a shared-memory address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -85,13 +119,6 @@ __device__ __forceinline__ u16 f32_to_out(float v) {
   return r;
 }
 
-#define G 4                                     // chunks per pipeline group
-
-struct Group {                                  // one group's weight registers: codes and scales, rows g and g+8
-  uint4 q0[G], q1[G];
-  u16 s0[G], s1[G];
-};
-
 // Where thread (g, t)'s 16 code bytes (and 2 scale bytes) of row g + 8 * half, chunk c live, in units of
 // 16 (2) bytes. ModelOpt layout: row-major. TILED (`cuda_mma.tile_weight`): [N/16][K/128][half][g][t], so a
 // warp's loads of one chunk read 2 x 512 contiguous code bytes and 128 contiguous scale bytes.
@@ -103,46 +130,44 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
 #endif
 }
 
-__device__ __forceinline__ void load_group(Group& b, const uint4* w_codes, const u16* w_scales, int n0, int g, int t,
-                                           int K, int c, int nc) {
+// One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations.
+__device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1, float (&acc)[NT][4],
+                                              const uint4* xs, int c, int g, int t) {
+  const u32 f0 = e4m3x2_to_f16x2(s0), f1 = e4m3x2_to_f16x2(s1);
+  const u32 w0[4] = {q0.x, q0.y, q0.z, q0.w};
+  const u32 w1[4] = {q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-  for (int i = 0; i < G; ++i) {
-    if (c + i < nc) {
-      const size_t i0 = w_index(n0, g, t, 0, c + i, K), i1 = w_index(n0, g, t, 1, c + i, K);
-      b.q0[i] = ld_stream(w_codes + i0);
-      b.q1[i] = ld_stream(w_codes + i1);
-      b.s0[i] = __ldg(w_scales + i0);
-      b.s1[i] = __ldg(w_scales + i1);
+  for (int wd = 0; wd < 4; ++wd) {
+    const u32 sel = wd < 2 ? 0x1010 : 0x3232;          // words 0-1: block 2t, words 2-3: block 2t+1
+    const u32 sa = prmt(f0, f0, sel), sb = prmt(f1, f1, sel);
+    u32 pa[4], pb[4];
+    pairs(w0[wd], pa);
+    pairs(w1[wd], pb);
+    const u32 a0 = hmul2(pa[0], sa), a1 = hmul2(pb[0], sb), a2 = hmul2(pa[1], sa), a3 = hmul2(pb[1], sb);
+    const u32 a4 = hmul2(pa[2], sa), a5 = hmul2(pb[2], sb), a6 = hmul2(pa[3], sa), a7 = hmul2(pb[3], sb);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint4 bx = xs[((c * 4 + wd) * (NT * 8) + j * 8 + g) * 4 + t];
+      mma(acc[j], a0, a1, a2, a3, bx.x, bx.y);
+      mma(acc[j], a4, a5, a6, a7, bx.z, bx.w);
     }
   }
 }
 
-__device__ __forceinline__ void compute_group(const Group& b, float (&acc)[NT][4], const uint4* xs, int c, int nc,
-                                              int g, int t) {
-#pragma unroll
-  for (int i = 0; i < G; ++i) {
-    if (c + i < nc) {
-      const u32 f0 = e4m3x2_to_f16x2(b.s0[i]), f1 = e4m3x2_to_f16x2(b.s1[i]);
-      const u32 w0[4] = {b.q0[i].x, b.q0[i].y, b.q0[i].z, b.q0[i].w};
-      const u32 w1[4] = {b.q1[i].x, b.q1[i].y, b.q1[i].z, b.q1[i].w};
-#pragma unroll
-      for (int wd = 0; wd < 4; ++wd) {
-        const u32 sel = wd < 2 ? 0x1010 : 0x3232;          // words 0-1: block 2t, words 2-3: block 2t+1
-        const u32 sa = prmt(f0, f0, sel), sb = prmt(f1, f1, sel);
-        const u32 a = w0[wd], bb = w1[wd];
-        const u32 a0 = hmul2(dec(a), sa), a1 = hmul2(dec(bb), sb);
-        const u32 a2 = hmul2(dec(a << 4), sa), a3 = hmul2(dec(bb << 4), sb);
-        const u32 a4 = hmul2(dec(a << 8), sa), a5 = hmul2(dec(bb << 8), sb);
-        const u32 a6 = hmul2(dec(a << 12), sa), a7 = hmul2(dec(bb << 12), sb);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4 bx = xs[(((c + i) * 4 + wd) * (NT * 8) + j * 8 + g) * 4 + t];
-          mma(acc[j], a0, a1, a2, a3, bx.x, bx.y);
-          mma(acc[j], a4, a5, a6, a7, bx.z, bx.w);
-        }
-      }
-    }
+// A warp's ring slot: codes [half][lane] (16 B each), then block scales [half][g][t] (2 B each) = 1152 B.
+#define SLOT 72                                 // uint4 per slot
+
+// One chunk of the warp's rows into the slot at shared address `dst` + this lane's offsets (or, past the
+// slice's end, an empty group that keeps the count): each lane copies its own 2 x 16 code bytes and 4 scale
+// bytes (row lane/2, scale pair (lane%2) * 2).
+__device__ __forceinline__ void issue_chunk(u32 dst, int lane, const uint4* qa, const uint4* qb, const u16* sp,
+                                            bool in_slice) {
+  if (in_slice) {
+    cp_async16(dst + 16 * lane, qa);
+    cp_async16(dst + 512 + 16 * lane, qb);
+    cp_async4(dst + 1024 + 4 * lane, sp);
   }
+  cp_async_commit();
 }
 
 extern "C" __global__ void __launch_bounds__(RW * 32)
@@ -157,8 +182,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           float* __restrict__ partials,         // fp32 [S, M, N] when S > 1
           int* __restrict__ tickets,            // int32 [gridDim.x * gridDim.z], zero; left zero
           int M, int N, int K,
-          int cps) {                            // chunks of 128 K-elements per split (dynamic smem: cps * NT * 2 KiB)
-  extern __shared__ uint4 xs[];                 // [chunk][word][token][t]: permuted fp16 pairs
+          int cps) {                            // chunks of 128 K-elements per split (`cuda_mma._smem_bytes`)
+  extern __shared__ uint4 xs[];                 // [chunk][word][token][t]: permuted fp16 pairs; then the rings
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int S = gridDim.y, split = blockIdx.y;
@@ -167,17 +192,23 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   const int n0 = (blockIdx.x * RW + warp) * 16;
   const bool rows_ok = n0 < N;
 
-  // 1. the first two groups of weight loads in flight, then the CTA's activations staged in shared
-  //    memory, permuted into the weight's pair order
-  Group A, B;
-  if (rows_ok) {
-    load_group(A, w_codes, w_scales, n0, g, t, K, c0, c0 + nc);
-    load_group(B, w_codes, w_scales, n0, g, t, K, c0 + G, c0 + nc);
-  }
+  // 1. the first chunks of weights in flight, then the CTA's activations staged in shared memory,
+  //    permuted into the weight's pair order. Each lane's sources at chunk c0 (codes of rows g and g + 8,
+  //    the scale pair it copies) step by CSTEP vectors per chunk in both layouts.
+  constexpr int CSTEP = TILED ? 64 : 4;
+  const uint4* qa = w_codes + w_index(n0, g, t, 0, c0, K);
+  const uint4* qb = w_codes + w_index(n0, g, t, 1, c0, K);
+  const u16* sp = w_scales + w_index(n0, (lane >> 1) & 7, (lane & 1) * 2, lane >> 4, c0, K);
+  const uint4* ring = xs + NT * 8 * cps * 16 + warp * STAGES * SLOT;
+  const u32 ring_s = smem_addr(ring);
+  if (rows_ok)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i, qa += CSTEP, qb += CSTEP, sp += CSTEP)
+      issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, i < nc);
   // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
-    const int wd = e & 3, tt = (e >> 2) & 3, i = (e >> 4) % cps, m = (e >> 4) / cps;
+    const int wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (m0 + m < M && i < nc)
       v = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
@@ -186,16 +217,21 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   }
   __syncthreads();
 
-  // 2. decode and multiply one group while the next one loads (register double buffer)
+  // 2. decode and multiply each chunk while the next ones load
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   if (rows_ok) {
-    for (int c = 0; c < nc; c += 2 * G) {
-      compute_group(A, acc, xs, c, nc, g, t);
-      if (c + 2 * G < nc) load_group(A, w_codes, w_scales, n0, g, t, K, c0 + c + 2 * G, c0 + nc);
-      if (c + G < nc) compute_group(B, acc, xs, c + G, nc, g, t);
-      if (c + 3 * G < nc) load_group(B, w_codes, w_scales, n0, g, t, K, c0 + c + 3 * G, c0 + nc);
+    int rd = 0, wr = STAGES - 1;           // the slots chunk c is read from and chunk c + STAGES - 1 lands in
+    for (int c = 0; c < nc; ++c, qa += CSTEP, qb += CSTEP, sp += CSTEP) {
+      cp_async_wait<STAGES - 2>();         // chunk c has landed when at most STAGES - 2 groups are pending; the
+      __syncwarp();                        // syncwarp also retires every lane's reads of the slot issued next
+      issue_chunk(ring_s + wr * SLOT * 16, lane, qa, qb, sp, c + STAGES - 1 < nc);
+      const uint4* slot = ring + rd * SLOT;
+      const u16* sc = reinterpret_cast<const u16*>(slot + 64);
+      compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, c, g, t);
+      rd = rd == STAGES - 1 ? 0 : rd + 1;
+      wr = wr == STAGES - 1 ? 0 : wr + 1;
     }
   }
 
