@@ -178,8 +178,9 @@ def _full(s: slice, n: int) -> bool:
 
 
 def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
-    """(storage, row -> slot index or None) if `entry` fills one NVFP4 storage exactly, row for row, in
-    its layout (then its tensors are copied whole); None otherwise (the per-tensor path)."""
+    """(storage, per_row, row -> slot index or None, checkpoint names) if `entry` fills one NVFP4
+    storage exactly, row for row, in its layout (then its tensors are copied whole); None otherwise
+    (the per-tensor path)."""
     if entry.layout != "nvfp4" or set(entry.tensors) != set(layers.KINDS):
         return None
     storage, nrows, row_slot = None, None, {}
@@ -222,40 +223,62 @@ def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
         index = torch.empty(nrows, dtype=torch.long)
         for (r0, r1), k in row_slot.items():
             index[r0:r1] = k
-    return storage, per_row, index
+        index = index.to(storage.global_scale.device)
+    names = []
+    for slot in entry.slots:
+        for n, _ in slot.names():
+            p = n.removesuffix(".weight")
+            names += [n, f"{p}.weight_scale", f"{p}.weight_scale_2"]
+    return storage, per_row, index, names
 
 
-def _write_fused(storage: NVFP4Tensor, per_row: bool, index: torch.Tensor | None, tensors) -> None:
-    w, ws, s2 = (tensors[k] for k in layers.KINDS)
-    storage.codes.copy_(w)
-    storage.block_scales.copy_(ws)
-    gs = storage.global_scale
-    if s2.dim() == 0:
-        gs.copy_(s2.expand_as(gs))
-    elif per_row:
-        gs.copy_(s2.index_select(-1, index.to(s2.device)))
-    else:
-        gs.copy_(s2[..., 0])
+def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict | None):
+    """`_fused_plan`, looked up in `cache` (keyed by the entry's name, slots and tensor shapes) when given."""
+    if cache is None:
+        return _fused_plan(targets, entry)
+    key = (entry.name, entry.layout, entry.slots,
+           tuple((k, t.dtype, tuple(t.shape)) for k, t in sorted(entry.tensors.items())))
+    if key not in cache:
+        cache[key] = _fused_plan(targets, entry)
+    return cache[key]
+
+
+def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapping[str, torch.Tensor]]]) -> None:
+    """All fused writes: codes and block scales as one `torch._foreach_copy_` per dtype, decode scales
+    one op per entry (broadcast, or gathered per row)."""
+    torch._foreach_copy_([s.codes for s, _, _, _ in writes], [t["weight"] for _, _, _, t in writes])
+    torch._foreach_copy_([s.block_scales for s, _, _, _ in writes], [t["weight_scale"] for _, _, _, t in writes])
+    for storage, per_row, index, tensors in writes:
+        s2, gs = tensors["weight_scale_2"].to(storage.global_scale.device), storage.global_scale
+        if s2.dim() == 0:
+            gs.copy_(s2.expand_as(gs))
+        elif per_row:
+            torch.index_select(s2, -1, index, out=gs)
+        else:
+            gs.copy_(s2[..., 0])
 
 
 def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *, config: SamplerConfig,
-                tensors: Mapping[str, torch.Tensor] | None = None, check_only: bool = False) -> list[str]:
+                tensors: Mapping[str, torch.Tensor] | None = None, check_only: bool = False,
+                cache: dict | None = None) -> list[str]:
     """Write fused entries (and checkpoint-named `tensors`, if any) into a running model, all-or-
     nothing, with the same checks and the same resulting storage as `apply_update` of their members.
 
     An NVFP4 entry that fills one storage exactly (every expert of w13 / w2, every part of a fused
     qkv / gate_up, unsharded) is checked whole (dtypes, shapes, no NaN in the block scales, finite
-    decode scales) and written with one copy per tensor kind. Any other entry (a tensor-parallel
+    decode scales; neighbouring tensors of one buffer, as a planned bucket holds them, in one pass)
+    and written with one batched copy per tensor kind. Any other entry (a tensor-parallel
     shard, an engine that holds the parts apart, a dense tensor) takes the per-tensor checks and
     writes of `apply_update`. Everything is checked before anything is written; ValueError names
-    the first bad tensor (the fused entry's tensors are checked in one pass each; on failure the
-    per-tensor check of its members names the checkpoint tensor). Returns the checkpoint names written
-    (check_only: checks everything, writes nothing, returns []).
+    the first bad tensor (on failure the per-tensor check of the fused entry's members names the
+    checkpoint tensor). cache: a dict kept by the caller across updates of a model whose `targets`
+    stay the same (an engine's): each entry's write plan is found once. Returns the checkpoint names
+    written (check_only: checks everything, writes nothing, returns []).
     """
     fast: list[tuple[FusedEntry, tuple]] = []
     rest: dict[str, torch.Tensor] = dict(tensors or {})
     for entry in entries:
-        plan = _fused_plan(targets, entry)
+        plan = _cached_plan(targets, entry, cache)
         if plan is None:
             _add_members(rest, entry)
         else:
@@ -268,16 +291,10 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
     checked = _check_update(targets, rest)                    # raises before anything is written
     if check_only:
         return []
-    for entry, (storage, per_row, index) in fast:
-        _write_fused(storage, per_row, index, entry.tensors)
+    if fast:
+        _write_fused([(storage, per_row, index, entry.tensors) for entry, (storage, per_row, index, _) in fast])
     _write_checked(targets, checked, config=config)
-    names = list(rest)
-    for entry, _ in fast:
-        for slot in entry.slots:
-            for n, _ in slot.names():
-                p = n.removesuffix(".weight")
-                names += [n, f"{p}.weight_scale", f"{p}.weight_scale_2"]
-    return sorted(names)
+    return sorted([*rest, *(n for _, plan in fast for n in plan[3])])
 
 
 def _add_members(rest: dict[str, torch.Tensor], entry: FusedEntry) -> None:
@@ -290,15 +307,37 @@ def _add_members(rest: dict[str, torch.Tensor], entry: FusedEntry) -> None:
 
 def _invalid_fused(entries: list[FusedEntry]) -> set[int]:
     """Indices of the entries whose block scales hold a NaN (e4m3fn: S.1111.111) or whose decode
-    scales are not finite: a device flag per entry, one host synchronisation per device."""
-    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, e in enumerate(entries):
-        ws, s2 = e.tensors["weight_scale"], e.tensors["weight_scale_2"]
-        f = e4m3_nan(ws.view(torch.uint8)).any() | ~torch.isfinite(s2).all()
-        flags.setdefault(f.device, []).append((i, f))
-    bad: set[int] = set()
-    for items in flags.values():
-        stacked = torch.stack([f for _, f in items])
-        if bool(stacked.any()):
-            bad.update(i for (i, _), b in zip(items, stacked.tolist()) if b)
-    return bad
+    scales are not finite. Tensors that are neighbours in one buffer are checked as one span (a
+    planned bucket: a few passes per bucket, whatever the entry count); one host synchronisation per
+    device, and only if a span is flagged, one more to find its entries."""
+    if not entries:
+        return set()
+    scales = _spans([e.tensors["weight_scale"] for e in entries])
+    decode = _spans([e.tensors["weight_scale_2"] for e in entries])
+    flags = [e4m3_nan(s).any() for s in scales] + [~torch.isfinite(s.view(torch.float32)).all() for s in decode]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    if not any(bool(torch.stack(fs).any()) for fs in by_device.values()):
+        return set()
+    return {i for i, e in enumerate(entries)
+            if bool(e4m3_nan(e.tensors["weight_scale"].view(torch.uint8)).any())
+            or not bool(torch.isfinite(e.tensors["weight_scale_2"]).all())}
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat uint8 views covering `tensors` (each contiguous): tensors that abut in one storage merge
+    into one span, so a region of a planned bucket is one view however many entries it holds."""
+    spans: list[list] = []                                  # [storage, start byte, end byte]
+    for t in sorted((t.contiguous() for t in tensors),
+                    key=lambda t: (t.device.type, t.device.index or 0, t.untyped_storage().data_ptr(),
+                                   t.storage_offset() * t.element_size())):
+        st = t.untyped_storage()
+        a = t.storage_offset() * t.element_size()
+        b = a + t.numel() * t.element_size()
+        if spans and spans[-1][0].data_ptr() == st.data_ptr() and spans[-1][0].device == st.device \
+                and a <= spans[-1][2]:
+            spans[-1][2] = max(spans[-1][2], b)
+        else:
+            spans.append([st, a, b])
+    return [torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, a, (b - a,)) for st, a, b in spans]

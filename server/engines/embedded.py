@@ -107,6 +107,7 @@ class EmbeddedEngine(Engine):
             del hf_config.quantization_config
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval().to(self.device)
         self.targets = _reload_targets(self.model, quantize_model(self.model, self.config))
+        self._fused_plans: dict = {}                  # commit.apply_fused's write plans (targets never change)
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
             state |= load_file(f)
@@ -133,7 +134,7 @@ class EmbeddedEngine(Engine):
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                n = len(commit.apply_fused(self.targets, entries, config=self.config))
+                n = len(commit.apply_fused(self.targets, entries, config=self.config, cache=self._fused_plans))
         except ValueError as e:
             raise EngineError(str(e), status=422) from e
         self._version = version
