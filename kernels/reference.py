@@ -239,6 +239,13 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
     return _quantize_blocks(w, block_amax, s_enc, op_order=op_order)
 
 
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """max|w| as fp32: [] for a weight [N, K], [E] for stacked experts [E, N, K] (the amax
+    `quantize_weight` takes by default). One read of w, no temporary; NaN and Inf propagate, so
+    `torch.isfinite(weight_amax(w))` checks the whole weight without another pass."""
+    return torch.linalg.vector_norm(w, ord=float("inf"), dim=(-2, -1)).float()
+
+
 def quantize_weight_group(ws: list[torch.Tensor], *, recipe: str = "1d", op_order: str = "vllm") -> list[NVFP4Tensor]:
     """Quantize the shards of a fused group (q/k/v, gate/up: each [N_i, K], or experts [E, N_i, K])
     with ONE shared second-level scale: amax = max over the whole group (per expert when stacked),

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from . import reference
 from .format import BLOCK, SWIZZLE_COLS, SWIZZLE_ROWS, NVFP4Tensor
+from .reference import weight_amax
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"     # Triton's CPU interpreter (tests): CPU tensors
 # programmatic dependent launch: the activation quantizer lets the next kernel (cuda_mma) start and
@@ -386,14 +387,9 @@ def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None, op
     return NVFP4Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), gs.reshape(()))
 
 
-def weight_amax(w: torch.Tensor) -> torch.Tensor:
-    """max|w| as fp32: [] for a weight [N, K], [E] for stacked experts [E, N, K]. One read of w,
-    no temporary; NaN and Inf propagate (so `torch.isfinite(amax)` checks the whole weight)."""
-    return torch.linalg.vector_norm(w, ord=float("inf"), dim=(-2, -1)).float()
-
-
 def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, check_finite: bool,
-                   swizzle: bool, config: dict | None = None, op_order: str = "vllm"):
+                   swizzle: bool, config: dict | None = None, op_order: str = "vllm",
+                   out: NVFP4Tensor | None = None):
     reference._check_op_order(op_order)
     cfg = config or WEIGHT_CONFIG
     if w.dim() not in (2, 3):
@@ -413,14 +409,17 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     if amax.numel() not in (1, e) or amax.dim() > 1:
         raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
     amax_flat = amax.reshape(-1).contiguous()
-    gs = torch.empty_like(amax_flat)
-    codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.device)
     nb = k // BLOCK
-    if swizzle:
-        npad, kpad = -(-n // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-nb // SWIZZLE_COLS) * SWIZZLE_COLS
-        scales = torch.zeros((e, npad, kpad), dtype=torch.float8_e4m3fn, device=w.device)
+    if out is not None:
+        codes, scales, gs = _out_views(out, e, n, k, amax_flat.numel(), w.device)
     else:
-        scales = torch.empty((e, n, nb), dtype=torch.float8_e4m3fn, device=w.device)
+        gs = torch.empty_like(amax_flat)
+        codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.device)
+        if swizzle:
+            npad, kpad = -(-n // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-nb // SWIZZLE_COLS) * SWIZZLE_COLS
+            scales = torch.zeros((e, npad, kpad), dtype=torch.float8_e4m3fn, device=w.device)
+        else:
+            scales = torch.empty((e, n, nb), dtype=torch.float8_e4m3fn, device=w.device)
     block_kb = min(cfg["block_kb"], triton.next_power_of_2(nb))
     n_row_tiles, n_k_tiles = triton.cdiv(n, 16), triton.cdiv(nb, block_kb)
     n_tiles = e * n_row_tiles * n_k_tiles
@@ -434,8 +433,21 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     return codes, scales, gs.reshape(amax.shape)
 
 
+def _out_views(out: NVFP4Tensor, e: int, n: int, k: int, n_scales: int, device: torch.device):
+    """`out`'s tensors as the kernel writes them: codes uint8 [E, N, K/2], linear block scales e4m3
+    [E, N, K/16], decode scales fp32 [n_scales] (views, no copy); ValueError if they do not fit."""
+    want = ((out.codes, torch.uint8, e * n * (k // 2)), (out.block_scales, torch.float8_e4m3fn, e * n * (k // BLOCK)),
+            (out.global_scale, torch.float32, n_scales))
+    for t, dtype, numel in want:
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"out: expected contiguous {dtype} of {numel} elements on {device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+    return out.codes.view(e, n, k // 2), out.block_scales.view(e, n, k // BLOCK), out.global_scale.view(n_scales)
+
+
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                    op_order: str = "vllm", check_finite: bool = True, config: dict | None = None) -> NVFP4Tensor:
+                    op_order: str = "vllm", check_finite: bool = True, config: dict | None = None,
+                    out: NVFP4Tensor | None = None) -> NVFP4Tensor:
     """Quantize a weight [N, K] (global_scale []) or experts [E, N, K] (global_scale [E]) on CUDA;
     bit-identical to `reference.quantize_weight`.
 
@@ -443,11 +455,12 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
     learner's). op_order: "vllm" (the spec) or "te" (TransformerEngine's quantizer). check_finite:
     raise on NaN/Inf (one extra read of w when amax is given, one host sync); the converter's fast
     path passes False after checking amax itself. config: launch override (keys of WEIGHT_CONFIG),
-    for tuning.
+    for tuning. out: tensors to write the result into (contiguous, of the result's sizes and dtypes,
+    e.g. views of a send buffer); returned as given.
     """
     codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False,
-                                       config=config, op_order=op_order)
-    return NVFP4Tensor(codes, scales, gs)
+                                       config=config, op_order=op_order, out=out)
+    return out if out is not None else NVFP4Tensor(codes, scales, gs)
 
 
 def quantize_weight_swizzled(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,

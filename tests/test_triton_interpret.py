@@ -172,6 +172,30 @@ def check_moe_pairs(op_order: str) -> None:
     assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
 
 
+def check_weight_into(op_order: str) -> None:
+    """quantize_weight(out=...) writes the reference's bits into views: stacked experts [E, 2R, K]
+    as [2E, R, K] matrices (one launch per fused entry) and a row slice of a fused qkv."""
+    from nvfp4_sampler.kernels import reference, triton_quant
+    from nvfp4_sampler.kernels.format import NVFP4Tensor
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(8, 32, 64, generator=g) * 0.05).to(torch.bfloat16)
+    want = reference.quantize_weight(w, op_order=op_order)
+    codes, scales, s2 = (torch.zeros(4, 64, 32, dtype=torch.uint8), torch.zeros(4, 64, 4, dtype=torch.uint8),
+                         torch.zeros(4, 2))
+    out = NVFP4Tensor(codes.view(8, 32, 32), scales.view(torch.float8_e4m3fn).view(8, 32, 4), s2.view(8))
+    got = triton_quant.quantize_weight(w, amax=reference.weight_amax(w), op_order=op_order, check_finite=False,
+                                       out=out)
+    assert got is out and torch.equal(codes.view(8, 32, 32), want.codes)
+    assert torch.equal(scales.view(8, 32, 4), want.block_scales.view(torch.uint8))
+    assert torch.equal(s2.view(8), want.global_scale)
+    codes, scales, s2 = (torch.zeros(48, 32, dtype=torch.uint8), torch.zeros(48, 4, dtype=torch.float8_e4m3fn),
+                         torch.zeros(3))                                # a qkv entry's parts: k is rows 16..48
+    triton_quant.quantize_weight(w[0], amax=reference.weight_amax(w[0]), op_order=op_order, check_finite=False,
+                                 out=NVFP4Tensor(codes[16:48], scales[16:48], s2[1]))
+    assert torch.equal(codes[16:48], want.codes[0]) and not codes[:16].any()
+    assert torch.equal(s2, torch.stack([torch.tensor(0.0), want.global_scale[0], torch.tensor(0.0)]))
+
+
 def test_decode_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,5 +211,6 @@ if __name__ == "__main__":
         check_quantizers(order)
         check_gemv(order)
         check_moe_pairs(order)
+        check_weight_into(order)
     check_packed_split_k()
     print("interpreter checks passed")
