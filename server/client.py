@@ -137,17 +137,22 @@ class SamplerClient:
         del flat                                          # the sidecar's copies are complete
         return UpdateStatus.model_validate(r.json())
 
-    def send_bucket(self, update_id: str, bucket: int, flat: torch.Tensor) -> UpdateStatus:
+    def send_bucket(self, update_id: str, bucket: int, flat: torch.Tensor, *,
+                    ready: torch.cuda.Event | None = None) -> UpdateStatus:
         """Planned update: stage bucket `bucket` from `flat`, a flat uint8 buffer laid out by the plan
         (`TransferPlan.pack`, or written in place through `fused_views`) on a GPU (CUDA IPC) or in
         shared memory (`ipc.shared_cpu_buffer`). Only the handle and the index travel; the sidecar
         copies the bucket once, validates it in one pass and answers; `flat` may be reused then.
         The sidecar holds each distinct buffer open until the update ends (opened once): reuse a few
-        send buffers rather than a new one per bucket. Waits for `flat`'s stream (one host sync)."""
+        send buffers rather than a new one per bucket. Waits for `ready` (the event recorded after the
+        bucket was written, so work queued since does not delay it) or else for `flat`'s current
+        stream: one host sync on CUDA."""
         from . import ipc
         from .protocol import IpcBucket
 
-        if flat.is_cuda:
+        if ready is not None:
+            ready.synchronize()
+        elif flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()
 
         req = IpcBucket(buffer=ipc.share(flat), bucket=bucket)

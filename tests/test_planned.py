@@ -1,0 +1,82 @@
+"""The trainer side of a planned update (`server.planned`): buckets quantized straight into send
+buffers equal, byte for byte, the converter's output packed at the plan's offsets; NaN/Inf in a
+source flags its bucket, which is never sent; sends alternate over the reused buffers. CPU tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.bench_sync import model_tensors
+from nvfp4_sampler.converters.convert import iter_buckets
+from nvfp4_sampler.sampler_format import Recipe
+from nvfp4_sampler.server import push
+from nvfp4_sampler.server.plan import TransferPlan
+from nvfp4_sampler.server.planned import InvalidSource, PlannedSender
+from nvfp4_sampler.testing import manifests
+
+CFG = {**manifests.QWEN3_30B_A3B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_hidden_layers": 2, "vocab_size": 96}
+
+
+def _sender(state, *, bucket_bytes=40_000, **kw) -> tuple[PlannedSender, push.Plan]:
+    pp = push.plan(state, layout="nvfp4", config=CFG, **kw)
+    plan = TransferPlan.build(list(pp.entries.values()), bucket_bytes=bucket_bytes)
+    return PlannedSender(plan, state, pp.options, config=CFG), pp
+
+
+@pytest.mark.parametrize("kw", [{}, {"recipe": Recipe(weight="2d", op_order="te"), "shared_group_scale": True}],
+                         ids=["1d", "2d-te-shared"])
+def test_filled_buckets_equal_the_converter_packed(kw):
+    state = model_tensors(CFG, "cpu")
+    sender, pp = _sender(state, **kw)
+    plan = sender.plan
+    assert len(plan.buckets) > 1
+    stacked = [j for jobs in sender.jobs for j in jobs if j.split is not None]
+    assert len(stacked) == 2 * CFG["num_hidden_layers"]           # w13 and w2: one job (one launch) per layer
+    direct = {}
+    for bucket in iter_buckets(pp.source, pp.options):
+        direct |= bucket
+    for b in range(len(plan.buckets)):
+        got = plan.new_buffer(b)
+        assert sender.fill(b, got).wait() is False
+        assert torch.equal(got, plan.pack(b, direct, plan.new_buffer(b))), f"bucket {b}"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_source_flags_its_bucket_only(bad):
+    state = model_tensors(CFG, "cpu")
+    state["model.layers.1.mlp.experts.gate_up_proj"][2, 5, 7] = bad
+    sender, _ = _sender(state)
+    flagged = [b for b in range(len(sender.plan.buckets)) if sender.fill(b, sender.plan.new_buffer(b)).wait()]
+    assert len(flagged) == 1
+    assert sender.find_invalid(flagged[0]) == "model.layers.1.mlp.experts.gate_up_proj: contains NaN or Inf"
+
+
+class _Client:
+    """Records what a sidecar would receive."""
+
+    def __init__(self):
+        self.sent, self.aborted = [], []
+
+    def send_bucket(self, update_id, b, flat, *, ready=None):
+        self.sent.append((b, flat.data_ptr()))
+
+    def abort(self, update_id):
+        self.aborted.append(update_id)
+
+
+def test_push_alternates_buffers_and_aborts_on_a_flagged_bucket():
+    state = model_tensors(CFG, "cpu")
+    sender, _ = _sender(state)
+    buffers = sender.new_buffers("cpu")
+    client, times = _Client(), {}
+    sender.push(client, "u", buffers, times=times)
+    n = len(sender.plan.buckets)
+    assert [b for b, _ in client.sent] == list(range(n)) and not client.aborted
+    assert [p for _, p in client.sent] == [buffers[b % 2].data_ptr() for b in range(n)]
+    assert set(times) == {"convert", "wait", "send", "buffer_wait"}
+    state["model.layers.0.self_attn.k_proj.weight"][0, 0] = float("nan")
+    client = _Client()
+    with pytest.raises(InvalidSource, match="k_proj.weight: contains NaN"):
+        sender.push(client, "u2", buffers)
+    assert client.aborted == ["u2"] and 0 not in [b for b, _ in client.sent]
