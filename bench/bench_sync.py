@@ -13,14 +13,15 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
 128, 128 experts of 768); `--layers` of the 48 are built and results are scaled per layer to 48
 (embeddings and lm_head use a small vocabulary and are left out of the per-layer figures).
 
-  planned  (`--paths planned`, issue #20) the planned protocol: the transfer plan built once
-        (`server.plan`: fused entries, fixed offsets), each plan bucket packed from the converted
-        tensors into one of two reused send buffers on the device (double-buffered: the next bucket
-        is converted and packed while the previous one is sent), sent as handle + index
-        (`SamplerClient.send_bucket`), committed as fused entries (`commit.apply_fused`). Sub-steps
-        timed: plan, convert, pack, send (sidecar copy + its one validation pass per bucket),
-        validate (the same pass timed on the trainer), commit; counted: entries, buckets, host syncs
-        and (with --profile) CUDA kernel launches on the trainer. Its sidecar's embedded engine runs on
+  planned  (`--paths planned`, issue #20) the planned protocol (`server.planned`): the transfer plan
+        built once (`server.plan`: fused entries, fixed offsets), each plan bucket quantized straight
+        into one of two reused send buffers on the device (one launch per fused expert tensor, no
+        pack step; double-buffered: the next bucket converts while the previous one is sent), sent as
+        handle + index (`SamplerClient.send_bucket`), committed as fused entries (`commit.apply_fused`).
+        Sub-steps: plan, convert (host time enqueueing the fills), wait (the send thread waiting for a
+        bucket's kernels), send (sidecar copy + its one validation per bucket + answer), buffer_wait,
+        transfer (wall of all buckets), commit; counted: entries, buckets, host syncs and (with
+        --profile) the trainer's CUDA kernels (launches, GPU time, the largest). Its sidecar's embedded engine runs on
         --device and serves a pre-quantized checkpoint of the same shapes (placeholder NVFP4 values,
         ~17 GB on disk for all 48 layers, written before the trainer state is built), so the whole
         model fits one H200: `--paths planned --layers 48`.
@@ -33,7 +34,6 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -215,118 +215,49 @@ def write_nvfp4_folder(cfg: dict, path: Path) -> Path:
     return path
 
 
-class Counter:
-    """Host synchronisations the trainer side makes (explicit ones, counted where they are made)."""
-
-    def __init__(self, device: str):
-        self.device, self.syncs = device, 0
-
-    def sync(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.syncs += 1
-
-
 def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str, buffers: int = 2,
                  held: dict | None = None) -> dict[str, float]:
-    """One update with the planned protocol: plan (first call: build + begin with the manifest;
-    later: begin with the held plan_id), converter buckets re-packed into plan buckets in `buffers`
-    reused send buffers (sends run on a thread while the next bucket is converted and packed),
-    commit. Returns seconds per sub-step and counts."""
+    """One update with the planned protocol (`server.planned`): plan (first call: build + begin with
+    the manifest, the sender's jobs and `buffers` send buffers; later: begin with the held plan_id),
+    every bucket quantized straight into a send buffer and sent while the next one converts, commit.
+    Returns seconds per sub-step and counts."""
     from nvfp4_sampler.server.plan import TransferPlan
+    from nvfp4_sampler.server.planned import PlannedSender
 
     held = held if held is not None else {}
-    c = Counter(device)
     t0 = time.perf_counter()
     version = client.version().weight_version + 1
-    if "plan" not in held:
+    if "sender" not in held:
         pp = push_pipeline.plan(state, layout="nvfp4", config=CFG)
         manifest = list(pp.entries.values())
         plan = TransferPlan.build(manifest, bucket_bytes=bucket_bytes)
         st = client.begin(version, manifest, bucket_bytes=bucket_bytes)
         if st.plan_id != plan.plan_id:
             raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {plan.plan_id}")
-        n = plan.new_buffer(device="meta").numel()
-        send = [ipc.shared_cpu_buffer(n) if device == "cpu" else torch.zeros(n, dtype=torch.uint8, device=device)
-                for _ in range(buffers)]                   # CPU: shared memory, as CUDA IPC on the GPU
-        held.update(plan=plan, pp=pp, send=send)
+        sender = PlannedSender(plan, state, pp.options, config=CFG)
+        held.update(sender=sender, send=sender.new_buffers(device, buffers))
     else:
-        plan, pp, send = held["plan"], held["pp"], held["send"]
-        st = client.begin(version, bucket_bytes=None, plan_id=plan.plan_id)
+        sender = held["sender"]
+        st = client.begin(version, bucket_bytes=None, plan_id=sender.plan.plan_id)
     t_plan = time.perf_counter() - t0
-    need = {b: {n for i in bk.entries for m in plan.entries[i].members for n in _member_names(m)}
-            for b, bk in enumerate(plan.buckets)}
-    have: dict[str, torch.Tensor] = {}
-    t = {"convert": 0.0, "pack": 0.0, "send_wait": 0.0, "validate": 0.0}
-    pending: list[concurrent.futures.Future | None] = [None] * buffers
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    sent, nxt = 0, 0
-    send_s = [0.0]
-
-    def timed_send(b, flat):
-        ts = time.perf_counter()
-        r = client.send_bucket(st.update_id, b, flat)
-        send_s[0] += time.perf_counter() - ts
-        return r
-
+    syncs = sender.host_syncs
+    times: dict[str, float] = {}
     t1 = time.perf_counter()
-    buckets = iter_buckets(pp.source, pp.options)
-    done = False
-    while nxt < len(plan.buckets):
-        while not done and not need[nxt] <= have.keys():
-            tc = time.perf_counter()
-            got = next(buckets, None)
-            t["convert"] += time.perf_counter() - tc
-            if got is None:
-                done = True
-                break
-            have.update(got)
-        if not need[nxt] <= have.keys():
-            raise RuntimeError(f"bucket {nxt}: {len(need[nxt] - have.keys())} tensors never converted")
-        slot = nxt % buffers
-        if pending[slot] is not None:                      # the buffer's previous bucket must be sent
-            tw = time.perf_counter()
-            pending[slot].result()
-            t["send_wait"] += time.perf_counter() - tw
-        tp = time.perf_counter()
-        flat = plan.pack(nxt, have, send[slot][:plan.buckets[nxt].nbytes])
-        tv = time.perf_counter()
-        flag = plan.validate(nxt, flat)                    # the sidecar's pass, timed here (not sent)
-        c.sync()                                           # packed: the sidecar may copy it
-        t["validate"] += time.perf_counter() - tv
-        t["pack"] += tv - tp
-        if bool(flag):
-            raise RuntimeError(plan.find_invalid(nxt, flat))
-        for n in need[nxt]:
-            have.pop(n, None)
-        pending[slot] = pool.submit(timed_send, nxt, send[slot])
-        nxt += 1
-        sent += 1
-    for f in pending:
-        if f is not None:
-            st = f.result()
-    pool.shutdown()
+    st = sender.push(client, st.update_id, held["send"], times=times)
     t2 = time.perf_counter()
     if st.missing:
         raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
     res = client.commit(st.update_id)
     t3 = time.perf_counter()
-    return {"payload": res.bytes, "plan": t_plan, "convert": t["convert"], "pack": t["pack"],
-            "validate": t["validate"], "send": send_s[0], "send_wait": t["send_wait"], "transfer": t2 - t1,
-            "commit": t3 - t2, "engine_apply": res.apply_seconds, "total": t3 - t0,
-            "entries": len(plan.entries), "buckets": sent, "trainer_host_syncs": c.syncs,
-            "sidecar_host_syncs": sent + 1}
+    return {"payload": res.bytes, "plan": t_plan, **times, "transfer": t2 - t1, "commit": t3 - t2,
+            "engine_apply": res.apply_seconds, "total": t3 - t0, "entries": len(sender.plan.entries),
+            "buckets": len(sender.plan.buckets), "trainer_host_syncs": sender.host_syncs - syncs,
+            "sidecar_host_syncs": len(sender.plan.buckets) + 1}
 
 
-def _member_names(m) -> list[str]:
-    if m.entry.layout != "nvfp4":
-        return [m.entry.name]
-    p = m.entry.name.removesuffix(".weight")
-    return [m.entry.name, f"{p}.weight_scale", f"{p}.weight_scale_2"]
-
-
-def count_kernels(fn, device: str) -> int | None:
-    """CUDA kernel launches of `fn()` in this process (torch profiler), None off CUDA."""
+def profile_kernels(fn, device: str) -> dict | None:
+    """CUDA kernels `fn()` launches in this process (torch profiler): count, GPU seconds, and the five
+    largest by time (name, count, seconds); None off CUDA."""
     if not device.startswith("cuda"):
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -334,10 +265,18 @@ def count_kernels(fn, device: str) -> int | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name[:60], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time / 1e6
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:5]
+    return {"launches": sum(c for c, _ in kernels.values()), "gpu_s": sum(t for _, t in kernels.values()),
+            "top": [(n, c, round(t, 4)) for n, (c, t) in top]}
 
 
-SUBSTEPS = ("plan", "convert", "pack", "validate", "send", "send_wait", "commit", "engine_apply", "total")
+SUBSTEPS = ("plan", "convert", "wait", "send", "buffer_wait", "transfer", "commit", "engine_apply", "total")
 
 
 def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:
@@ -382,7 +321,7 @@ def run_planned(args, results: dict) -> None:
             print(f"planned run {i}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in r.items()), flush=True)
         if args.profile:
-            results["planned-kernels"] = count_kernels(
+            results["planned-kernels"] = profile_kernels(
                 lambda: push_planned(client, state, bucket_bytes=args.bucket_bytes, device=args.device,
                                      buffers=args.buffers, held=held), args.device)
         del state
@@ -394,7 +333,9 @@ def run_planned(args, results: dict) -> None:
           f"{args.bucket_bytes >> 20} MiB; host syncs: trainer + sidecar\n")
     print(timing_table(rows, scale=FULL_LAYERS / args.layers))
     if results.get("planned-kernels") is not None:
-        print(f"trainer CUDA kernel launches per update (convert + pack + validate): {results['planned-kernels']}")
+        k = results["planned-kernels"]
+        print(f"trainer CUDA kernels per update (quantize + amax + dense copies + flags): {k['launches']} launches, "
+              f"{k['gpu_s']:.3f} GPU s; largest: {k['top']}")
     print(f"goal: whole 30B-A3B (x48) <= 0.5 s including conversion, commit <= 50 ms, <= 600 entries "
           f"(this plan: {counts['planned_entries']} entries for {args.layers} layers)")
 

@@ -52,6 +52,8 @@ step() {   # step NAME: its timeout (s) and command
                               python3 bench/profile_mma.py --m 1,16,64" ;;
     bench_sync_planned_12) limit=300; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
                               --out $OUT/bench_sync_planned_12.json" ;;
+    bench_sync_planned_24) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile
+                              --out $OUT/bench_sync_planned_24.json" ;;
     bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
                               --out $OUT/bench_sync_planned.json" ;;
     *) echo "unknown step $1" >> "$OUT/steps.txt"; return ;;
