@@ -304,7 +304,7 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
         reasons.append(f"{name}: {reason}")
     what = f"backend {backend!r} cannot run" if backend != "auto" else "no NVFP4 backend can run"
     raise RuntimeError(f"{what} {req.op} (scaling={req.scaling}, amax_override={req.amax_override}, K={req.k}, "
-                       f"rows={req.rows}) "
+                       f"rows={req.rows}{', strict' if req.strict else ''}) "
                        f"on {device}: " + "; ".join(reasons))
 
 

@@ -26,7 +26,7 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("nvfp4_sampler::linear", mutates_args=())
 def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
-           amax: Optional[Tensor], *, scaling: str, op_order: str, backend: str) -> Tensor:
+           amax: Optional[Tensor], *, scaling: str, op_order: str, backend: str, strict: bool = False) -> Tensor:
     """W4A4 linear: quantize x per `scaling`, multiply by the NVFP4 weight, add bias.
 
     Parameters
@@ -46,6 +46,8 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
         The activation quantizer's float-op order: "vllm" (the spec) or "te" (TransformerEngine).
     backend : str
         A `kernels.dispatch.BACKENDS` name, chosen at load.
+    strict : bool
+        Batch-invariant sums (`SamplerConfig.strict`): a row's output does not depend on the other rows.
 
     Returns
     -------
@@ -53,18 +55,19 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
         [..., N] in x.dtype.
     """
     w = NVFP4Tensor(codes, block_scales, global_scale)
-    return dispatch.BACKENDS[backend].linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
+    return dispatch.BACKENDS[backend].linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
+                                             strict=strict)
 
 
 @linear.register_fake
-def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, op_order, backend):
+def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, op_order, backend, strict=False):
     return x.new_empty((*x.shape[:-1], codes.shape[-2]))
 
 
 @torch.library.custom_op("nvfp4_sampler::moe", mutates_args=())
 def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
         w2_block_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor, *,
-        op_order: str, backend: str) -> Tensor:
+        op_order: str, backend: str, strict: bool = False) -> Tensor:
     """W4A4 SwiGLU experts with per-token activations; routing already done by the caller.
 
     Parameters
@@ -84,6 +87,8 @@ def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale
         The per-token activation quantizer's float-op order: "vllm" or "te".
     backend : str
         A `kernels.dispatch.BACKENDS` name, chosen at load.
+    strict : bool
+        Batch-invariant sums (`SamplerConfig.strict`): a token's output does not depend on the other tokens.
 
     Returns
     -------
@@ -92,12 +97,12 @@ def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale
     """
     w13 = NVFP4Tensor(w13_codes, w13_block_scales, w13_global_scale)
     w2 = NVFP4Tensor(w2_codes, w2_block_scales, w2_global_scale)
-    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order)
+    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order, strict=strict)
 
 
 @moe.register_fake
 def _moe_fake(x, w13_codes, w13_block_scales, w13_global_scale, w2_codes, w2_block_scales, w2_global_scale,
-              topk_weights, topk_ids, *, op_order, backend):
+              topk_weights, topk_ids, *, op_order, backend, strict=False):
     return torch.empty_like(x)
 
 

@@ -88,18 +88,31 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
 
 
 def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, op_order: str) -> torch.Tensor:
+               topk_ids: torch.Tensor, op_order: str, *, strict: bool = False) -> torch.Tensor:
     """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
     (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
-    router weight fused), then the k pairs of each token summed in fp32 in slot order."""
+    router weight fused), then the k pairs of each token summed in fp32 in slot order.
+    strict: batch-invariant (`triton_strict.moe`): the launch configurations (split-K, tiles) from
+    the weight shapes and top-k alone, as for one token, never from T; the k pairs added one by one."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
+    cfg13 = cfg2 = None
+    if strict:
+        cfg13 = triton_gemv.gemv_config(1, inter * k, h, block_b=8)
+        cfg2 = triton_gemv.gemv_config(1, h * k, inter, block_b=8)
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order)
+    triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order,
+                                  config=cfg13)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
-                                  row_weight=topk_weights.reshape(-1).float(), op_order=op_order)
-    return y.view(t, k, h).sum(1).to(x.dtype)
+                                  row_weight=topk_weights.reshape(-1).float(), op_order=op_order, config=cfg2)
+    y = y.view(t, k, h)
+    if not strict:
+        return y.sum(1).to(x.dtype)
+    out = y[:, 0]
+    for j in range(1, k):        # slot order, one addition at a time: no reduction kernel picks the order
+        out = out + y[:, j]
+    return out.to(x.dtype)

@@ -92,12 +92,18 @@ class SamplerConfig:
     keep_bf16: module-name prefixes left unquantized, on top of lm_head, embeddings and MoE routers.
     backend: "auto" or a kernels.dispatch backend name.
     prequantized: True when the checkpoint holds NVFP4 codes and scales (written by the converter).
+    strict: batch-invariant execution (an execution choice, not part of the recipe): every NVFP4 GEMM
+      sums each output in an order that depends on the weight shape only, never on the batch, so a
+      token's log-probs are the same bits in decode and in a teacher-forced recomputation (with the
+      engine's own batch-invariant mode for the rest; docs/NUMERICS.md "Strict mode"). Needs
+      per-token activation scaling. Default False: the faster batch-dependent paths.
     """
 
     recipe: Recipe = Recipe()
     keep_bf16: tuple[str, ...] = ()
     backend: str = "auto"
     prequantized: bool = False
+    strict: bool = False
 
     def __post_init__(self):
         if not isinstance(self.recipe, Recipe):
@@ -105,6 +111,11 @@ class SamplerConfig:
         if isinstance(self.keep_bf16, str) or not all(isinstance(p, str) for p in self.keep_bf16):
             raise ValueError(f"{METHOD_NAME}: keep_bf16 must be a list of module-name prefixes, got {self.keep_bf16!r}")
         object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"{METHOD_NAME}: strict must be true or false, got {self.strict!r}")
+        if self.strict and self.recipe.activation_scaling != "per_token":
+            raise ValueError(f"{METHOD_NAME}: strict needs activation_scaling 'per_token' (a per-tensor scale "
+                             f"depends on the whole batch), got {self.recipe.activation_scaling!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplerConfig":
@@ -127,9 +138,11 @@ class SamplerConfig:
         return cls(recipe=recipe, **d)
 
     def to_dict(self) -> dict[str, Any]:
-        """The `quantization_config` dict written into a sampler checkpoint's config.json."""
+        """The `quantization_config` dict written into a sampler checkpoint's config.json (`strict` only
+        when set: an execution choice, so checkpoints written without it read back to the same keys)."""
         return {"quant_method": METHOD_NAME, "format_version": FORMAT_VERSION, **self.recipe.to_json(),
-                "keep_bf16": list(self.keep_bf16), "backend": self.backend, "prequantized": self.prequantized}
+                "keep_bf16": list(self.keep_bf16), "backend": self.backend, "prequantized": self.prequantized,
+                **({"strict": True} if self.strict else {})}
 
 
 def should_quantize(prefix: str, config: SamplerConfig) -> bool:

@@ -289,7 +289,8 @@ def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.d
     RuntimeError naming the layer and every backend's reason if none can serve it (or the one
     `config.backend` forces cannot).
     """
-    req = dispatch.Requirements(op, scaling=config.recipe.activation_scaling, amax_override=tp_amax, k=k)
+    req = dispatch.Requirements(op, scaling=config.recipe.activation_scaling, amax_override=tp_amax, k=k,
+                                strict=config.strict)
     try:
         return dispatch.choose_backend(device, config.backend, req=req).name
     except (RuntimeError, ValueError) as e:
@@ -319,7 +320,7 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
                                  tp_amax=amax is not None)
     return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax,
                                           scaling=config.recipe.activation_scaling, op_order=config.recipe.op_order,
-                                          backend=backend)
+                                          backend=backend, strict=config.strict)
 
 
 def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
@@ -330,4 +331,4 @@ def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: 
         backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1])
     return torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
                                        w2.global_scale, topk_weights, topk_ids, op_order=config.recipe.op_order,
-                                       backend=backend)
+                                       backend=backend, strict=config.strict)

@@ -45,7 +45,8 @@ def _run_server(args: argparse.Namespace, **flags) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    return _run_server(args, model=args.model, engine=args.engine, vllm_args=tuple(args.vllm_arg) or None)
+    return _run_server(args, model=args.model, engine=args.engine, vllm_args=tuple(args.vllm_arg) or None,
+                       strict=args.strict or None)
 
 
 def _sidecar(args: argparse.Namespace) -> int:
@@ -93,6 +94,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--engine", choices=("vllm", "embedded"), default=None,
                    help="vllm (the vLLM OpenAI server with the nvfp4_sampler method) or embedded (transformers)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for the vLLM server (repeat)")
+    p.add_argument("--strict", action="store_true",
+                   help="batch-invariant mode: decode log-probs equal recomputed ones bitwise (vllm engine; "
+                        "on CUDA it also sets VLLM_BATCH_INVARIANT=1)")
     _server_flags(p)
     p.set_defaults(func=_serve)
 

@@ -27,6 +27,8 @@ class Settings:
     None: off, bodies go through the main port only). max_frame_bytes: largest accepted frame payload. update_idle_timeout_s: an open update with no
     activity for this long is aborted when another begins. logprob_max_batch_tokens: batching limit.
     device: where the embedded engine runs ("auto": cuda when available, else cpu).
+    strict: start the vLLM engine in strict mode (`quantization_config.strict`, batch-invariant NVFP4
+    kernels; on CUDA with VLLM_BATCH_INVARIANT=1); engine "vllm" only.
     """
 
     model: str | None = None
@@ -43,6 +45,7 @@ class Settings:
     engine_start_timeout_s: float = 600.0
     vllm_args: tuple[str, ...] = ()
     device: str = "auto"
+    strict: bool = False
 
     def __post_init__(self):
         if self.device == "auto":
@@ -55,6 +58,9 @@ class Settings:
             raise ValueError("engine 'remote' needs engine_url (--engine-url)")
         if self.engine != "remote" and not self.model:
             raise ValueError(f"engine {self.engine!r} needs a model folder")
+        if self.strict and self.engine != "vllm":
+            raise ValueError(f"strict is a mode of the vllm engine this sidecar starts, got engine {self.engine!r} "
+                             f"(a running vLLM server: start it with quantization_config strict: true)")
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"refusing to bind {self.host}: a non-loopback bind needs a token "
                              f"(--token or {TOKEN_ENV})")
@@ -90,6 +96,8 @@ def is_loopback(host: str) -> bool:
 def _coerce(type_name: str, raw: str):
     if "None" in type_name and raw.lower() in ("", "none", "off"):
         return None
+    if type_name == "bool":
+        return raw.lower() in ("1", "true", "yes", "on")
     if "int" in type_name and "float" not in type_name:
         return int(raw)
     if "float" in type_name:

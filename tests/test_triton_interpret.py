@@ -170,6 +170,12 @@ def check_moe_pairs(op_order: str) -> None:
     assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)), "MoE not deterministic"
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
+    # strict (batch-invariant): each token's output is the same bits alone as beside the other token
+    strict = triton_moe._moe_pairs(x, w13, w2, topk_w, topk_ids, op_order, strict=True)
+    alone = [triton_moe._moe_pairs(x[t:t + 1], w13, w2, topk_w[t:t + 1], topk_ids[t:t + 1], op_order, strict=True)
+             for t in range(tokens)]
+    assert torch.equal(strict, torch.cat(alone)), "strict MoE depends on the batch"
+    assert ((strict.float() - want).norm() / want.norm()).item() < 3e-2
 
 
 def check_weight_into(op_order: str) -> None:

@@ -33,9 +33,22 @@ def _edit_checkpoint(path, edit) -> None:
 
 
 def _unknown_option(d):
+    return _with_quantization_config(d, {"quant_method": "nvfp4_sampler", "activation_scalling": "per_token"})
+
+
+def _strict_per_tensor(d):
+    return _with_quantization_config(d, {"quant_method": "nvfp4_sampler", "strict": True,
+                                         "activation_scaling": "per_tensor"})
+
+
+def _strict_on_a_backend_that_cannot_run_it(d):
+    return _with_quantization_config(d, {"quant_method": "nvfp4_sampler", "strict": True, "backend": "triton_hopper"})
+
+
+def _with_quantization_config(d, qc: dict):
     p = models.tiny_qwen3(d / "m")
     cfg = json.loads((p / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "nvfp4_sampler", "activation_scalling": "per_token"}
+    cfg["quantization_config"] = qc
     (p / "config.json").write_text(json.dumps(cfg))
     return p
 
@@ -61,10 +74,14 @@ def _mismatched_shape(d):
 
 @pytest.mark.parametrize("build, message", [
     (_unknown_option, "unknown quantization_config option(s) ['activation_scalling']"),
+    (_strict_per_tensor, "strict needs activation_scaling 'per_token'"),
+    (_strict_on_a_backend_that_cannot_run_it, "model.layers.0.self_attn.qkv_proj: backend 'triton_hopper' cannot "
+                                              "run linear (scaling=per_token, amax_override=False, K=128, rows=(256, "
+                                              "128, 128), strict) on cpu: triton_hopper: needs a CUDA device, got cpu"),
     (_k_not_multiple_of_16, "model.layers.0.mlp.down_proj: input size K=264 is not a multiple of 16"),
     (_missing_scale, "checkpoint tensor(s) missing: model.layers.1.self_attn.k_proj.weight_scale"),
     (_mismatched_shape, "model.layers.0.mlp.up_proj.weight_scale: shape (256, 4) does not match the model's (256, 8)"),
-], ids=["unknown-option", "k-not-multiple-of-16", "missing-scale", "mismatched-shape"])
+], ids=["unknown-option", "strict-per-tensor", "strict-backend-cannot", "k-not-multiple-of-16", "missing-scale", "mismatched-shape"])
 def test_engine_start_fails_naming_the_problem(tmp_path, build, message):
     model = build(tmp_path)
     script = tmp_path / "start.py"

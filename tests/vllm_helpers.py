@@ -125,3 +125,18 @@ def assert_greedy_along_own_path(m, ids: list[list[int]], outs: list[list[int]],
                              f"reference's argmax (near-tie tolerance {tol:.0e}); engine tokens {o}")
         worst = max(worst, float(r[t]))
     return worst
+
+
+def decode_and_recompute(llm, ids: list[list[int]], params) -> tuple[list[list[float]], list[list[float]]]:
+    """Generate from the prompts `ids` with SamplingParams `params` (logprobs=0), then recompute every
+    prompt + generated sequence in one prefill batch (prompt_logprobs): per prompt, the log-probs the
+    engine returned for its generated tokens while decoding, and those tokens' prompt log-probs."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    gens = [list(o.outputs[0].token_ids) for o in outs]
+    decoded = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, g)] for o, g in zip(outs, gens)]
+    again = llm.generate([{"prompt_token_ids": i + g} for i, g in zip(ids, gens)],
+                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    recomputed = [[d[t].logprob for d, t in zip(o.prompt_logprobs[len(i):], g)] for o, i, g in zip(again, ids, gens)]
+    return decoded, recomputed

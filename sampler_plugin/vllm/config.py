@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import vllm.envs as envs
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
@@ -25,7 +26,15 @@ class NVFP4SamplerConfig(ConfigCore, QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "NVFP4SamplerConfig":
-        return cls(SamplerConfig.from_dict(config))
+        """Raises ValueError for strict on a GPU without vLLM's batch-invariant mode: our GEMMs alone do
+        not make a token's log-probs batch-invariant while attention, RMSNorm, the BF16 GEMMs (lm_head,
+        routers) and log_softmax still depend on the batch."""
+        sampler = SamplerConfig.from_dict(config)
+        if sampler.strict and current_platform.is_cuda_alike() and not envs.VLLM_BATCH_INVARIANT:
+            raise ValueError(f"{METHOD_NAME}: strict needs vLLM's batch-invariant mode on {current_platform.device_name}: "
+                             f"set VLLM_BATCH_INVARIANT=1 in the environment of every engine process (it makes "
+                             f"attention, RMSNorm, the BF16 GEMMs and log_softmax batch-invariant; docs/VLLM.md)")
+        return cls(sampler)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):

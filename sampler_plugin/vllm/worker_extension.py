@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import commit, layers, shared_buffers
-from ..core import is_nvfp4, reload_targets
+from ..core import ExpertsCore, is_nvfp4, reload_targets
 
 
 def _refresh_plain_modules(model: torch.nn.Module, written: set[int]) -> None:
@@ -139,6 +139,15 @@ class NVFP4SamplerWorkerExtension:
         """{"layers", "bytes", "bf16_bytes", "ratio"} of the quantized layers as loaded."""
         m = self.vllm_config.quant_config.memory
         return {"layers": m.created, "bytes": m.nbytes, "bf16_bytes": m.bf16_nbytes, "ratio": m.ratio}
+
+    def nvfp4_layers(self) -> dict:
+        """{checkpoint prefix: {"op": "linear" | "moe", "backend", "strict"}} of every NVFP4 layer: the
+        kernels backend chosen at load (`layer.nvfp4_backend`) and whether it runs the batch-invariant
+        (strict) paths, e.g. {"model.layers.0.self_attn.qkv_proj": {"op": "linear", "backend":
+        "hopper_mma", "strict": true}}."""
+        return {m.quant_method.prefix: {"op": "moe" if isinstance(m.quant_method, ExpertsCore) else "linear",
+                                        "backend": m.nvfp4_backend, "strict": m.quant_method.config.strict}
+                for m in self.model_runner.model.modules() if is_nvfp4(m)}
 
     def nvfp4_weight_version(self) -> int:
         """Version set by the last successful nvfp4_apply_update (0 = the weights loaded at start)."""

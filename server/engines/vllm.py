@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from nvfp4_sampler.sampler_format import METHOD_NAME
+
 from .. import ipc
 from ..process import ChildServer, free_port
 from ..protocol import LogprobsRequest, SequenceLogprobs
@@ -31,15 +33,30 @@ EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWork
 
 
 def vllm_server(model: str | Path, *, port: int, log: str | Path, extra: tuple[str, ...] | list[str] = (),
-                timeout_s: float = 600.0) -> ChildServer:
+                timeout_s: float = 600.0, strict: bool = False, device: str = "cpu") -> ChildServer:
     """The vLLM OpenAI server for `model` on 127.0.0.1:`port` with the nvfp4_sampler method, the
     reload worker extension and the dev-mode routes (a ChildServer, not started). The CPU KV cache is
-    VLLM_CPU_KVCACHE_SPACE GiB (1 unless set)."""
+    VLLM_CPU_KVCACHE_SPACE GiB (1 unless set). strict: `quantization_config.strict` through
+    `--hf-overrides` (`strict_overrides`), and on `device` "cuda" vLLM's VLLM_BATCH_INVARIANT=1."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--quantization", "nvfp4_sampler",
            "--worker-extension-cls", EXTENSION, *extra]
-    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env={"VLLM_SERVER_DEV_MODE": "1"},
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if strict:
+        cmd += ["--hf-overrides", json.dumps(strict_overrides(model))]
+        if device == "cuda":
+            env["VLLM_BATCH_INVARIANT"] = "1"
+    return ChildServer(cmd, url=f"http://127.0.0.1:{port}", log=log, env=env,
                        env_defaults={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=timeout_s)
+
+
+def strict_overrides(model: str | Path) -> dict:
+    """vLLM `hf_overrides` that turn strict mode on for `model`: its config.json's nvfp4_sampler
+    `quantization_config` (a converter's output keeps its options) or the defaults, with strict true."""
+    qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") != METHOD_NAME:
+        qc = {"quant_method": METHOD_NAME}
+    return {"quantization_config": {**qc, "strict": True}}
 
 
 class VLLMEngine(Engine):
@@ -54,7 +71,8 @@ class VLLMEngine(Engine):
             port = free_port()
             self.child = vllm_server(settings.model, port=port, extra=settings.vllm_args,
                                      log=Path(settings.staging_dir) / f"vllm-{port}.log",
-                                     timeout_s=settings.engine_start_timeout_s)
+                                     timeout_s=settings.engine_start_timeout_s, strict=settings.strict,
+                                     device=settings.device)
             self.url = self.child.url
         self.model_id = str(settings.model) if settings.model else ""
         self.specs = checkpoint_specs(settings.model) if settings.model else {}
