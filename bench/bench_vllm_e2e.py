@@ -10,8 +10,13 @@ runs in the worker process for it): GPU time by kernel category (ours, attention
 other compiled elementwise kernels, sampling) and the wall time, whose difference is GPU idle time. Layer counts are cut (shown in the
 table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
 layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
+--strict compares nvfp4_sampler with nvfp4_sampler in strict mode instead (`quantization_config.strict`
+and VLLM_BATCH_INVARIANT=1: batch-invariant NVFP4 kernels plus vLLM's batch-invariant attention, norms,
+BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode (BF16 left out: two
+engines fit the step's time).
 
-    python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--out FILE.json]
+    python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
+                                    [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -45,12 +50,14 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
                                                       "_dequant_bf16")),
               ("nvfp4 activation quantization", ("_act_quant",)),
               ("attention", ("attention", "attn", "flash", "fmha", "paged", "reshape_and_cache")),
-              ("bf16 gemm (cuBLAS / lm_head / router)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")),
+              ("bf16 gemm (cuBLAS / lm_head / router)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk",
+                                                         "matmul_kernel")),      # vLLM's batch-invariant matmul
               ("sort, top-k, softmax (sampling, MoE routing)", ("sampl", "topk", "softmax", "argmax", "sort", "cumsum",
                                                                "gumbel")),
               ("norms, rotary, activations, elementwise (compiled)", ("triton", "rms", "norm", "rotary", "silu",
                                                                       "elementwise", "vectorized", "act_and_mul")))
 REPEATS = 5
+STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 
 
 def _category(name: str) -> str:
@@ -59,16 +66,22 @@ def _category(name: str) -> str:
 
 
 def worker(model: str, quant: str, mode: str, out: str) -> None:
-    """One engine: decode tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time
-    breakdown by kernel category at batch 16, written to `out` as JSON as they come."""
+    """One engine (quant: "bf16", "nvfp4_sampler" or STRICT, nvfp4_sampler in strict mode): decode
+    tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
+    category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process: the profiler sees it
+    strict = {}
+    if quant == STRICT:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import
+        from nvfp4_sampler.sampler_format import SamplerConfig
+        quant, strict = "nvfp4_sampler", {"hf_overrides": {"quantization_config": SamplerConfig(strict=True).to_dict()}}
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
     llm = LLM(model, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 16, max_num_seqs=max(BATCHES), gpu_memory_utilization=0.6,
-              attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0, **MODES[mode])
+              attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0, **strict, **MODES[mode])
     result = {"start_seconds": round(time.time() - t0, 1), "tokens_per_s": {}, "spread": {}}
 
     def run(b: int, n: int) -> float:
@@ -117,6 +130,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
     ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of testing/checkpoints.py)")
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
+    ap.add_argument("--strict", action="store_true", help="nvfp4_sampler default vs strict (instead of BF16 vs nvfp4)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -128,6 +142,7 @@ def main() -> None:
 
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
+    quants = ("nvfp4_sampler", STRICT) if args.strict else ("bf16", "nvfp4_sampler")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     shapes = [(s, int(n)) for s, n in (x.split(":") for x in args.shapes.split(","))] if args.shapes else \
         QUICK if args.quick else FULL
@@ -135,31 +150,31 @@ def main() -> None:
         path = build(tmp / shape, shape, seed=0, layers=layers)
         torch.cuda.empty_cache()
         entry = results["models"][shape] = {"layers": layers}
-        for quant in ("bf16", "nvfp4_sampler"):
+        for quant in quants:
             out = tmp / f"{shape}-{quant}.json"
             proc = subprocess.run([sys.executable, __file__, "--worker", str(path), quant, args.mode, str(out)],
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-3000:]}
             Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    print(f"| model (layers) | batch | BF16 tok/s | nvfp4_sampler tok/s | ratio | spread of {REPEATS} (BF16 / nvfp4) |\n"
-          "|---|---|---|---|---|---|")
+    print(f"| model (layers) | batch | {quants[0]} tok/s | {quants[1]} tok/s | ratio | spread of {REPEATS} "
+          f"({' / '.join(quants)}) |\n|---|---|---|---|---|---|")
     for shape, entry in results["models"].items():
         for b in BATCHES:
             bf, nv = (entry[q].get("tokens_per_s", {}).get(str(b), entry[q].get("tokens_per_s", {}).get(b))
-                      for q in ("bf16", "nvfp4_sampler"))
+                      for q in quants)
             ratio = f"{nv / bf:.2f}x" if bf and nv else "n/a"
             spread = " / ".join("{:.0f}-{:.0f}".format(*entry[q].get("spread", {}).get(str(b), (0, 0)))
-                                for q in ("bf16", "nvfp4_sampler"))
+                                for q in quants)
             print(f"| {shape} ({entry['layers']}) | {b} | {bf or 0:.0f} | {nv or 0:.0f} | {ratio} | {spread} |")
-        print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category (BF16 / nvfp4_sampler)")
-        prof = {q: entry[q].get("profile", {}) for q in ("bf16", "nvfp4_sampler")}
+        print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category ({' / '.join(quants)})")
+        prof = {q: entry[q].get("profile", {}) for q in quants}
         cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
         for c in cats + ["GPU total", "wall"]:
             vals = [p.get("gpu_us_per_step", {}).get(c) if c not in ("GPU total", "wall") else
                     p.get("gpu_total_us_per_step" if c == "GPU total" else "wall_us_per_step") for p in prof.values()]
             print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
-        for q in ("bf16", "nvfp4_sampler"):
+        for q in quants:
             if "error" in entry[q]:
                 print(f"{shape} {q} failed:\n{entry[q]['error']}")
 

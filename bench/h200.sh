@@ -37,12 +37,15 @@ step() {   # step NAME: its timeout (s) and command
     bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
     updates)   limit=240; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
+    strict)    limit=300; cmd="python3 -m pytest -q -s -rA -m gpu tests/test_gpu_vllm_strict.py" ;;
     sync)      limit=120; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_sync.py" ;;
     numerics)  limit=150; cmd="python3 bench/engine_numerics.py all --out /tmp/engine --seqs 4 --len 128" ;;
     bench_kernels) limit=250; cmd="python3 bench/bench_kernels.py --quick --no-sweep --json $OUT/bench_kernels.json" ;;
     bench_e2e) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
                               --out $OUT/bench_vllm_e2e.json" ;;
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
+    bench_strict) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
+                              --out $OUT/bench_vllm_e2e_strict.json" ;;
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
     bench_sync) limit=220; cmd="python3 bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json" ;;

@@ -14,6 +14,8 @@ from bench import bench_vllm_e2e as e2e
     ("kernel_unified_attention_2d", "attention"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "bf16 gemm (cuBLAS / lm_head / router)"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "bf16 gemm (cuBLAS / lm_head / router)"),
+    ("matmul_kernel_persistent", "bf16 gemm (cuBLAS / lm_head / router)"),          # VLLM_BATCH_INVARIANT=1
+    ("_rms_norm_kernel", "norms, rotary, activations, elementwise (compiled)"),
     ("void at::native::radixSortKVInPlace<...>", "sort, top-k, softmax (sampling, MoE routing)"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms, rotary, activations, elementwise (compiled)"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "norms, rotary, activations, elementwise (compiled)"),
