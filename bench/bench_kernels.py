@@ -197,7 +197,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_q]) / len(w_q)
                 w_t = [cuda_mma.tile_weight(w) for w in w_q]
                 row["mma_tiled_kernel_ms"] = graph_ms(
-                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, tiled=True) for w in w_t]) / len(w_t)
+                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
                 del w_t
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)

@@ -47,7 +47,7 @@ MODES = {"eager": dict(enforce_eager=True),
 # Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels). The
 # MoE experts run the same NVFP4 GEMM kernels as the linears; their routing sorts run torch's sort kernels.
 CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue",
-                                                      "_dequant_bf16")),
+                                                      "_dequant_bf16", "w4_dequant")),
               ("nvfp4 activation quantization", ("_act_quant",)),
               ("attention", ("attention", "attn", "flash", "fmha", "paged", "reshape_and_cache")),
               ("bf16 gemm (cuBLAS / lm_head / router)", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk",

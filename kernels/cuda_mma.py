@@ -71,7 +71,8 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     try:
         for _, nt, rw in TILES:
             for out_bf16 in (True, False):
-                _kernel(nt, rw, out_bf16, False, STAGES, index)
+                for tiled in (False, True):
+                    _kernel(nt, rw, out_bf16, tiled, STAGES, index)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -116,7 +117,7 @@ def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
 def _encode_words(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """Codes uint8 [..., 4j] with every 32-bit word's eight E2M1 codes moved from ModelOpt's nibbles
     (element i at bits 4i..4i+3) to `_TILED_BITS` (inverse: back)."""
-    w = codes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    w = codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros_like(w)
     for half in (0, 16):
         for i, (sign, mag) in enumerate(_TILED_BITS):
@@ -125,24 +126,44 @@ def _encode_words(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).view(torch.uint8)
 
 
-def tile_weight(w: NVFP4Tensor, *, inverse: bool = False) -> NVFP4Tensor:
-    """w [N, K] with codes and block scales rearranged (same shapes and dtypes) so that each warp of
-    the TILED kernel reads contiguous 512-byte runs, and each 32-bit word of codes re-encoded for the
-    kernel's cheaper decode (`_TILED_BITS`); inverse=True takes a tiled w back to the ModelOpt layout.
-    Any device."""
-    n, k = w.shape
-    if w.codes.dim() != 2 or not shape_ok(n, k):
-        raise ValueError(f"tile_weight needs [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
-    codes = _encode_words(w.codes, inverse=True) if inverse else w.codes
-    out = []
-    for t, unit in ((codes, 16), (w.block_scales.view(torch.uint8), 2)):
-        shape, perm = _tile_order(n, k, unit)
-        if inverse:
-            shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
-        out.append(t.reshape(shape).permute(perm).contiguous().reshape(t.shape))
-    if not inverse:
-        out[0] = _encode_words(out[0])
-    return w.replace(codes=out[0], block_scales=out[1].view(torch.float8_e4m3fn))
+def _check_rows(t: torch.Tensor, per: int, what: str) -> int:
+    r, k = t.shape[0], t.shape[-1] * per
+    if t.dim() != 2 or not shape_ok(r, k):
+        raise ValueError(f"{what} needs [R, K/{per}] with R % 16 == 0 and K % {CHUNK} == 0, got {tuple(t.shape)}")
+    return k
+
+
+def tile_codes(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Codes uint8 [R, K/2] of R rows of a weight, ModelOpt -> "mma_tiled" (inverse: back); a new
+    tensor of the same shape. R % 16 == 0, K % 128 == 0. Rows [r0, r1) of a tiled [N, K] weight (r0, r1
+    multiples of 16) are the tiled form of those rows alone, in the same byte range: shards of a fused
+    layer are written and read by rows."""
+    k = _check_rows(codes, 2, "tile_codes")
+    shape, perm = _tile_order(codes.shape[0], k, 16)
+    if inverse:
+        codes = _encode_words(codes, inverse=True)
+        shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
+    out = codes.reshape(shape).permute(perm).contiguous().reshape(codes.shape)
+    return out if inverse else _encode_words(out)
+
+
+def tile_scales(scales: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Block scales [R, K/16] (e4m3 or a uint8 view) of R rows, ModelOpt -> "mma_tiled" order (inverse:
+    back), as `tile_codes`."""
+    k = _check_rows(scales, 16, "tile_scales")
+    shape, perm = _tile_order(scales.shape[0], k, 2)
+    if inverse:
+        shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
+    return scales.view(torch.uint8).reshape(shape).permute(perm).contiguous().reshape(scales.shape).view(scales.dtype)
+
+
+def tile_weight(w: NVFP4Tensor) -> NVFP4Tensor:
+    """w [N, K] (ModelOpt) in the "mma_tiled" layout (`tile_codes`, `tile_scales`: each warp of the
+    kernel reads contiguous 512-byte runs; each 32-bit word of codes re-encoded for the cheaper decode,
+    `_TILED_BITS`); a tiled w back to ModelOpt. Any device."""
+    inverse = w.layout == "mma_tiled"
+    return w.replace(codes=tile_codes(w.codes, inverse=inverse), block_scales=tile_scales(w.block_scales, inverse=inverse),
+                     layout="modelopt" if inverse else "mma_tiled")
 
 
 def _cache_dir() -> pathlib.Path:
@@ -167,10 +188,11 @@ def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_i
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(ptx)
         tmp.replace(path)
+    names = ["w4a16_mma", "w4_dequant"] if tiled else ["w4a16_mma"]
     with torch.cuda.device(device_index):
-        kernel = _utils._cuda_load_module(ptx, ["w4a16_mma"])["w4a16_mma"]
-        kernel.set_shared_memory_config(min(_smem_bytes(nt, _MAX_CPS, rw, stages), _SMEM_LIMIT))
-    return kernel
+        kernels = _utils._cuda_load_module(ptx, names)
+        kernels["w4a16_mma"].set_shared_memory_config(min(_smem_bytes(nt, _MAX_CPS, rw, stages), _SMEM_LIMIT))
+    return kernels
 
 
 def _smem_bytes(nt: int, cps: int, rw: int, stages: int) -> int:
@@ -204,15 +226,15 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
-           bias: torch.Tensor | None = None, tiled: bool = False, cps: int | None = None,
+           bias: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
     x_gs  fp32 [M]: the activation's S_dec per token
-    w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]); N % 16 == 0, K % 128 == 0
+    w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]; layout "modelopt" or "mma_tiled");
+          N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
-    tiled w's codes and scales are in `tile_weight`'s order (else ModelOpt row-major)
     cps   override of `config`'s chunks per split (benchmarks); rw: of `tiles`' warps per CTA;
           stages: of the weight pipeline's depth (2..8; none changes the result)
     """
@@ -240,20 +262,41 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
     gs = w.global_scale
-    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, tiled, stages, dev)
+    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
-    arg_ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-    from torch.cuda import _utils
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
-    cfg_ = _LaunchConfig((ctypes.c_uint * 3)(row_ctas, cfg["S"], m_tiles), (ctypes.c_uint * 3)(32 * rw, 1, 1),
-                         smem, torch.cuda.current_stream(x.device).cuda_stream,
-                         ctypes.pointer(_PDL), 1)
-    _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg_), kernel.func, arg_ptrs,
-                                                                          None))
+    _launch(kernel, (row_ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True)
     return out
+
+
+def dequantize(w: NVFP4Tensor) -> torch.Tensor:
+    """A "mma_tiled" w [N, K] as bf16 [N, K] in row-major order: e2m1 * block scale, exact, without
+    the global scale (as `triton_gemm.dequantize_bf16` gives for a ModelOpt weight)."""
+    n, k = w.shape
+    if w.layout != "mma_tiled" or w.codes.dim() != 2 or not shape_ok(n, k) or not w.codes.is_contiguous():
+        raise ValueError(f"dequantize needs a contiguous mma_tiled weight [N, K], got {w.layout} {tuple(w.shape)}")
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=w.codes.device)
+    dev = w.codes.device.index if w.codes.device.index is not None else torch.cuda.current_device()
+    units = n * k // 32
+    kernel = _kernel(*TILES[0][1:], True, True, STAGES, dev)["w4_dequant"]
+    _launch(kernel, (-(-units // 256), 1, 1), 256, 0, w.codes.device,
+            [_ptr(w.codes), _ptr(w.block_scales), _ptr(out), ctypes.c_int(n), ctypes.c_int(k)], pdl=False)
+    return out
+
+
+def _launch(kernel, grid: tuple[int, int, int], threads: int, smem: int, device: torch.device, args: list,
+            *, pdl: bool) -> None:
+    """cuLaunchKernelEx of a loaded kernel on the current stream of `device` (ctypes arguments)."""
+    from torch.cuda import _utils
+    arg_ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem,
+                        torch.cuda.current_stream(device).cuda_stream, ctypes.pointer(_PDL) if pdl else None,
+                        int(pdl))
+    _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arg_ptrs,
+                                                                          None))

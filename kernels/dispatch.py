@@ -226,7 +226,7 @@ class TritonHopperBackend:
 
 class HopperMmaBackend(TritonHopperBackend):
     """`TritonHopperBackend` with the dense per-token linears' weights stored in the "mma_tiled" layout
-    (`cuda_mma.tile_rows`, applied by the layer at every write), so every decode batch (M <= 64, M = 1
+    (`cuda_mma.tile_codes` / `tile_scales`, applied by the layer at every write), so every decode batch (M <= 64, M = 1
     included) runs the tensor-core kernel on its cheaper decode and contiguous weight runs, and larger M
     the exact-BF16 path over `cuda_mma.dequantize`. Needs NVRTC (`cuda_mma.supported`), K % 128 == 0
     and every stacked checkpoint tensor's rows % 16 == 0 (whole 16-row tiles per shard)."""

@@ -6,6 +6,10 @@ Conventions (docs/FORMAT.md):
   global_scale  float32, decode direction (S_dec = 1 / S_enc, S_enc = 2688 / amax); its shape is a
                 prefix of codes.shape[:-1] and broadcasts over the remaining row dims:
                 [] per tensor, [E] per expert of an [E, N, K] weight, [..., M] per row (per token)
+  layout        where codes and block scales sit in their tensors (same shapes and dtypes either way):
+                "modelopt" as above (checkpoints, the wire, every converter); "mma_tiled" the engine-side
+                order of `kernels.cuda_mma.tile_weight` (2-D weights; each 16-row block of rows stays in
+                the byte range of those rows)
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ E4M3_MAX = 448.0
 GLOBAL_ENCODE_NUMERATOR = E4M3_MAX * E2M1_MAX   # 2688: S_enc = 2688 / amax
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude by code bits [2:0]
 SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4                    # tile of the 128x4 scale layout
+LAYOUTS = ("modelopt", "mma_tiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +33,11 @@ class NVFP4Tensor:
     codes: torch.Tensor          # uint8 [..., K/2]
     block_scales: torch.Tensor   # float8_e4m3fn [..., K/16]
     global_scale: torch.Tensor   # float32, a prefix of codes.shape[:-1] ([] per tensor), decode direction
+    layout: str = "modelopt"     # one of LAYOUTS
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.codes.dtype != torch.uint8:
             raise TypeError(f"codes must be uint8, got {self.codes.dtype}")
         if self.block_scales.dtype != torch.float8_e4m3fn:
@@ -64,4 +72,5 @@ class NVFP4Tensor:
         return dataclasses.replace(self, **changes)
 
     def to(self, device) -> "NVFP4Tensor":
-        return NVFP4Tensor(self.codes.to(device), self.block_scales.to(device), self.global_scale.to(device))
+        return NVFP4Tensor(self.codes.to(device), self.block_scales.to(device), self.global_scale.to(device),
+                           self.layout)

@@ -13,8 +13,9 @@ the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `r
 only by the order of the FP32 additions.
 
 Four paths, chosen by `linear_path(m, ...)`:
-  "mma"     (2 <= M <= 16, per token, bf16/fp16)  `cuda_mma`: CUDA C++ on FP16 tensor cores
-            (mma.sync) over the ModelOpt codes and exact FP16 activations; batch-invariant.
+  "mma"     (2 <= M <= 64, per token, bf16/fp16; M = 1 too for "mma_tiled" weights)  `cuda_mma`: CUDA
+            C++ on FP16 tensor cores (mma.sync) over the codes (ModelOpt or "mma_tiled" layout) and exact
+            FP16 activations; batch-invariant.
   "gemv"    (M = 1, or M <= GEMV_MAX_M without mma)  `triton_gemv`: exact block dots on packed FP16
             units over the 4-bit codes read as int64 blocks, the activation quantized in the launch.
   "packed"  (M <= PACKED_MAX_M)  `_w4a4_kernel`: an inline-PTX `prmt` table decode, then tensor
@@ -25,7 +26,8 @@ Four paths, chosen by `linear_path(m, ...)`:
   "bf16"    (larger M)  the activation is quantized into exact BF16 values (one fused pass), the
             weight is decoded into a transient exact BF16 copy (no persistent cache: memory stays at
             0.28x BF16), cuBLAS multiplies with an FP32 output (`torch.mm(..., out_dtype=float32)`),
-            and one Triton pass applies the scales and the bias.
+            and one Triton pass applies the scales and the bias. "mma_tiled" weights take this path beyond
+            MMA_MAX_M, decoded by `cuda_mma.dequantize`.
 The packed kernel also serves the MoE grouped GEMM (`kernels.triton_moe`): tiles map to experts through
 device-side metadata, activation rows are gathered by index, and the epilogue can fuse SwiGLU and
 the router weight.
@@ -283,6 +285,8 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
 
 def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
     """e2m1(q) * float(s) of w [..., K] as exact BF16 [..., K] (second-level scale not applied)."""
+    if w.layout == "mma_tiled":
+        return cuda_mma.dequantize(w)
     k = w.shape[-1]
     codes = w.codes.reshape(-1, k // 2)
     out = torch.empty((codes.shape[0], k), dtype=torch.bfloat16, device=codes.device)
@@ -310,7 +314,10 @@ def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, ou
 def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
     """Which GEMM path a linear with m rows of `dtype` and weight w takes: "mma" (MMA_MIN_M <= m <=
     MMA_MAX_M, per token, w on a device where `cuda_mma` runs and of its shape contract, bf16/fp16),
-    "gemv", "packed" or "bf16"."""
+    "gemv", "packed" or "bf16". A "mma_tiled" w (per token only) takes "mma" for every m <= MMA_MAX_M
+    (bf16/fp16), else "bf16"."""
+    if w is not None and w.layout == "mma_tiled":
+        return "mma" if m <= cuda_mma.MMA_MAX_M and dtype in _MMA_DTYPES else "bf16"
     if (cuda_mma.MMA_MIN_M <= m <= cuda_mma.MMA_MAX_M and scaling == "per_token" and w is not None
             and dtype in _MMA_DTYPES
             and w.codes.dim() == 2 and cuda_mma.shape_ok(*w.shape) and _mma_supported(w.codes.device)):
@@ -338,6 +345,9 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
             raise ValueError(f"amax: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
         amax = amax.reshape(-1)
     path = path or linear_path(x2.shape[0], scaling, w, x.dtype)
+    if w.layout == "mma_tiled" and (path not in ("mma", "bf16") or scaling != "per_token"):
+        raise ValueError(f"a mma_tiled weight takes the mma or bf16 path with per-token scaling, got {path!r}, "
+                         f"{scaling!r}")
     if path == "mma":
         if scaling != "per_token":
             raise ValueError("the mma path implements per-token scaling only")

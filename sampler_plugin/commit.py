@@ -244,10 +244,12 @@ def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict |
 
 
 def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapping[str, torch.Tensor]]]) -> None:
-    """All fused writes: codes and block scales as one `torch._foreach_copy_` per dtype, decode scales
-    one op per entry (broadcast, or gathered per row)."""
-    torch._foreach_copy_([s.codes for s, _, _, _ in writes], [t["weight"] for _, _, _, t in writes])
-    torch._foreach_copy_([s.block_scales for s, _, _, _ in writes], [t["weight_scale"] for _, _, _, t in writes])
+    """All fused writes: codes and block scales (tiled first for a "mma_tiled" storage) as one
+    `torch._foreach_copy_` per dtype, decode scales one op per entry (broadcast, or gathered per row)."""
+    torch._foreach_copy_([s.codes for s, _, _, _ in writes],
+                         [layers.as_stored(s, "weight", t["weight"]) for s, _, _, t in writes])
+    torch._foreach_copy_([s.block_scales for s, _, _, _ in writes],
+                         [layers.as_stored(s, "weight_scale", t["weight_scale"]) for s, _, _, t in writes])
     for storage, per_row, index, tensors in writes:
         s2, gs = tensors["weight_scale_2"].to(storage.global_scale.device), storage.global_scale
         if s2.dim() == 0:

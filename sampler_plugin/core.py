@@ -10,8 +10,9 @@ adapter does no math and keeps no state of its own. The core owns, per layer:
 - shards: which checkpoint tensor fills which rows (and, under tensor parallelism, which part of it);
 - backend: the kernels backend chosen once when the weights are created (`layer.nvfp4_backend`);
 - storage: the parameters (`weight`, `weight_scale`, `weight_scale_2`, with a `w13_` / `w2_` stem for
-  experts) in checkpoint layout, never repacked: nothing derived can go stale and a reload writes
-  the tensors the engine serves with (same shapes, same addresses);
+  experts), the checkpoint's shapes and dtypes in the layout of the backend (`layer.nvfp4_layout`:
+  ModelOpt, or "mma_tiled" for `hopper_mma` linears, into which every write tiles its rows): nothing
+  derived can go stale and a reload writes the tensors the engine serves with (same addresses);
 - loading: every parameter's `weight_loader`, bound to the layer (vLLM's layerwise reload unbinds
   and rebinds loaders bound to the layer), and the load bookkeeping (`process_weights_after_loading`);
 - reload targets: `reload_targets(model)`, checkpoint name -> where that tensor lives.
@@ -36,7 +37,7 @@ from collections.abc import Iterator
 
 import torch
 
-from nvfp4_sampler.kernels import NVFP4Tensor
+from nvfp4_sampler.kernels import NVFP4Tensor, dispatch
 from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
 from . import commit, layers
@@ -143,13 +144,14 @@ class LayerCore:
         return {s.name: commit.Target(weight=storage[name], shard=s) for name, s in self.shards(layer)}
 
     def _register(self, layer: torch.nn.Module, weights: dict[str, NVFP4Tensor], loader, *, op: str,
-                  k: int, tp_amax: bool = False) -> None:
+                  k: int, tp_amax: bool = False, rows: tuple[int, ...] = ()) -> None:
         bound = types.MethodType(loader, layer)
         for name, w in weights.items():
             layers.register_weight(layer, w, bound, stem=_stem(name))
         first = next(iter(weights.values()))
         layer.nvfp4_backend = layers.choose_backend(self.config, op=op, name=self.prefix, device=first.codes.device,
-                                                    k=k, tp_amax=tp_amax)
+                                                    k=k, tp_amax=tp_amax, rows=rows)
+        layer.nvfp4_layout = dispatch.BACKENDS[layer.nvfp4_backend].weight_layout
         self.memory.add_layer()
 
     # -- loading --------------------------------------------------------------------------------
@@ -227,7 +229,8 @@ class LinearCore(LayerCore):
         w = layers.create_weight(sum(output_sizes), k_part, name=self.prefix)
         layer.nvfp4_geometry = (list(output_sizes), input_size, k_part)
         layer.nvfp4_tp_group = tp_group
-        self._register(layer, {"weight": w}, _load_linear, op="linear", k=k_part, tp_amax=tp_group is not None)
+        self._register(layer, {"weight": w}, _load_linear, op="linear", k=k_part, tp_amax=tp_group is not None,
+                       rows=tuple(output_sizes))
 
     def shards(self, layer: torch.nn.Module) -> list[tuple[str, layers.Shard]]:
         if not hasattr(layer, "nvfp4_shards"):

@@ -7,6 +7,8 @@ its own: quantization and GEMMs are `kernels.dispatch` calls.
 Storage of one (possibly fused, possibly expert-stacked) weight of logical shape [*E, N, K]:
   codes         uint8 [*E, N, K/2]          E2M1 pairs, even element in the low nibble
   block_scales  float8_e4m3fn [*E, N, K/16]  linear layout
+(or, for a `hopper_mma` linear, both in the "mma_tiled" layout of `kernels.cuda_mma`: every write tiles
+its rows on the way in (`as_stored`), `read` untiles them)
   global_scale  float32 [*E, N] (per row) or [*E] (per expert), decode direction
 A fused layer (qkv, gate_up, w13) holds one `weight_scale_2` per checkpoint tensor, spread over
 that tensor's rows (docs/ARCHITECTURE.md, "Weight second-level scales are per checkpoint tensor").
@@ -25,7 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from nvfp4_sampler.kernels import dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
+from nvfp4_sampler.kernels import cuda_mma, dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
 from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
 from nvfp4_sampler.sampler_format import TRIPLET, TRIPLET_DTYPES, SamplerConfig, triplet_shapes
 
@@ -123,8 +125,19 @@ def register_weight(module: torch.nn.Module, w: NVFP4Tensor, loader, *, stem: st
 
 
 def module_weight(module: torch.nn.Module, *, stem: str = "") -> NVFP4Tensor:
-    """The NVFP4Tensor over the parameters `register_weight` put on `module`."""
-    return NVFP4Tensor(*(getattr(module, f"{stem}{kind}").data for kind in KINDS))
+    """The NVFP4Tensor over the parameters `register_weight` put on `module`, in the layout its backend
+    stores (`module.nvfp4_layout`, set when the backend is chosen)."""
+    return NVFP4Tensor(*(getattr(module, f"{stem}{kind}").data for kind in KINDS),
+                       layout=getattr(module, "nvfp4_layout", "modelopt"))
+
+
+def as_stored(dst: NVFP4Tensor, kind: str, tensor: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rows of checkpoint tensor `kind` ([R, K/2] codes or [R, K/16] scales, ModelOpt) in dst's layout
+    (inverse: rows of dst back to ModelOpt); decode scales and the ModelOpt layout as they are."""
+    if dst.layout == "modelopt" or kind == "weight_scale_2":
+        return tensor
+    tile = cuda_mma.tile_codes if kind == "weight" else cuda_mma.tile_scales
+    return tile(tensor, inverse=inverse)
 
 
 def check_block_aligned(name: str, k: int) -> None:
@@ -218,13 +231,13 @@ def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, co
         part = tensor[shard.src_rows, shard.src_cols]
         q = dispatch.quantize_weight_on(part, recipe=config.recipe.weight, amax=tensor.abs().float().amax(),
                                         op_order=config.recipe.op_order, backend=config.backend)
-        codes.copy_(q.codes)
-        scales.copy_(q.block_scales)
+        codes.copy_(as_stored(dst, "weight", q.codes))
+        scales.copy_(as_stored(dst, "weight_scale", q.block_scales))
         gs.copy_(q.global_scale.reshape(()).expand_as(gs))
     elif kind == "weight":
-        codes.copy_(tensor[shard.src_rows, _cols(shard.src_cols, 2)])
+        codes.copy_(as_stored(dst, kind, tensor[shard.src_rows, _cols(shard.src_cols, 2)]))
     elif kind == "weight_scale":
-        scales.copy_(tensor[shard.src_rows, _cols(shard.src_cols, BLOCK)])
+        scales.copy_(as_stored(dst, kind, tensor[shard.src_rows, _cols(shard.src_cols, BLOCK)]))
     else:
         gs.copy_(tensor.reshape(()).expand_as(gs))
 
@@ -238,7 +251,9 @@ def copy_shard(dst: NVFP4Tensor, src: NVFP4Tensor, shard: Shard) -> None:
 def read(src: NVFP4Tensor, shard: Shard) -> dict[str, torch.Tensor]:
     """The checkpoint triplet of `shard` as this rank holds it: {kind: tensor} (inverse of `write`)."""
     codes, scales, gs = _dst(src, shard)
-    return {"weight": codes.clone(), "weight_scale": scales.clone(), "weight_scale_2": gs.reshape(-1)[0].clone()}
+    return {"weight": as_stored(src, "weight", codes, inverse=True).clone(),
+            "weight_scale": as_stored(src, "weight_scale", scales, inverse=True).clone(),
+            "weight_scale_2": gs.reshape(-1)[0].clone()}
 
 
 class LoadTracker:
@@ -281,16 +296,18 @@ class LoadTracker:
 
 
 def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.device | str, k: int,
-                   tp_amax: bool = False) -> str:
-    """The kernels backend name that runs layer `name` (once per layer, when weights are created).
+                   tp_amax: bool = False, rows: tuple[int, ...] = ()) -> str:
+    """The kernels backend name that runs layer `name` (once per layer, when weights are created);
+    its `weight_layout` is the layout the layer stores.
 
     op: "linear" or "moe"; k: the layer's (per-rank) input size; tp_amax: a row-parallel layer on
-    more than one tensor-parallel rank, which passes the all-reduced activation amax. Raises
+    more than one tensor-parallel rank, which passes the all-reduced activation amax; rows: the rows
+    of each checkpoint tensor the layer stacks (this rank's; layers written by shard pass them). Raises
     RuntimeError naming the layer and every backend's reason if none can serve it (or the one
     `config.backend` forces cannot).
     """
     req = dispatch.Requirements(op, scaling=config.recipe.activation_scaling, amax_override=tp_amax, k=k,
-                                strict=config.strict)
+                                rows=tuple(rows), strict=config.strict)
     try:
         return dispatch.choose_backend(device, config.backend, req=req).name
     except (RuntimeError, ValueError) as e:

@@ -134,7 +134,7 @@ def test_tiles_cover_every_m():
 
 def test_tiled_order_is_what_the_kernel_indexes():
     """tile_weight puts row n0 + g + 8 * half, chunk c, thread t's 16 code bytes (2 scale bytes) at the
-    kernel's w_index, and tile_weight(inverse=True) inverts it."""
+    kernel's w_index, and tile_weight of the tiled weight inverts it."""
     import torch
     from nvfp4_sampler.kernels import reference
     n, k = 48, 384
@@ -153,6 +153,6 @@ def test_tiled_order_is_what_the_kernel_indexes():
                         want = cuda_mma._encode_words(w.codes[row, c * 64 + t * 16: c * 64 + t * 16 + 16])
                         assert torch.equal(codes[i], want)
                         assert torch.equal(scales[i], wsc[row, c * 8 + t * 2: c * 8 + t * 2 + 2])
-    back = cuda_mma.tile_weight(tw, inverse=True)
+    back = cuda_mma.tile_weight(tw)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.block_scales.view(torch.uint8), wsc)
     assert "((((size_t)(n0 >> 4) * (K >> 7) + c) * 2 + half) * 8 + g) * 4 + t" in SOURCE

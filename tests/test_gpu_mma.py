@@ -69,10 +69,10 @@ def test_mma_matches_reference(mods, m, n, k, tiled):
     a = tq.quantize_per_token_exact(x, dtype=torch.float16)
     wk = cuda_mma.tile_weight(w) if tiled else w
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cuda_mma.launch(a.values, a.global_scale, wk, out, bias=bias, tiled=tiled)
+    cuda_mma.launch(a.values, a.global_scale, wk, out, bias=bias)
     _check(out, x, w, bias)
     again = torch.full_like(out, float("nan"))
-    cuda_mma.launch(a.values, a.global_scale, wk, again, bias=bias, tiled=tiled)   # tickets were left at zero
+    cuda_mma.launch(a.values, a.global_scale, wk, again, bias=bias)   # tickets were left at zero
     assert torch.equal(out, again), "not deterministic"
     if tiled:
         plain = torch.empty_like(out)
@@ -128,3 +128,36 @@ def test_linear_takes_mma_for_decode(mods):
     x = _x(4, 512, seed=6)
     torch.testing.assert_close(tg.linear(x, w).float(), reference.linear(x.cpu(), w.to("cpu")).float().cuda(),
                                rtol=2 ** -7, atol=1e-3)
+
+
+def test_tiled_weights_take_mma_at_every_decode_size_and_bf16_beyond(mods):
+    _, tg, _ = mods
+    from nvfp4_sampler.kernels import cuda_mma
+    wt = cuda_mma.tile_weight(_w(256, 512, seed=5, per_row=False))
+    assert [tg.linear_path(m, "per_token", wt) for m in (1, 2, 64, 65, 4096)] == ["mma"] * 3 + ["bf16"] * 2
+    with pytest.raises(ValueError, match="mma_tiled"):
+        tg.linear(_x(3, 512, seed=1), wt, path="gemv")
+
+
+@pytest.mark.parametrize("n,k", [(48, 384), (640, 2048), (256, 12288)])
+def test_dequantize_tiled_equals_the_modelopt_dequantizer(mods, n, k):
+    cuda_mma, tg, _ = mods
+    w = _w(n, k, seed=n + k, per_row=True)
+    assert torch.equal(cuda_mma.dequantize(cuda_mma.tile_weight(w)), tg.dequantize_bf16(w))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
+def test_hopper_mma_backend_linear(mods, m):
+    """The backend engines pick for dense layers: tiled weights, mma up to 64 tokens (M = 1 included),
+    the exact-BF16 path beyond; within the bound of the reference, and each row batch-invariant up to 64."""
+    cuda_mma, _, _ = mods
+    from nvfp4_sampler.kernels import dispatch
+    x, w = _x(m, 2048, seed=21), _w(640, 2048, seed=22, per_row=True)
+    be = dispatch.choose_backend("cuda", req=dispatch.Requirements("linear", k=2048, rows=(512, 128)))
+    assert be.name == "hopper_mma"
+    bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
+    got = be.linear(x, cuda_mma.tile_weight(w), bias=bias, scaling="per_token")
+    _check(got, x, w, bias)
+    if m <= 64:
+        one = be.linear(x[m // 2:m // 2 + 1], cuda_mma.tile_weight(w), bias=bias, scaling="per_token")
+        assert torch.equal(one, got[m // 2:m // 2 + 1])

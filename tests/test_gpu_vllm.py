@@ -15,7 +15,7 @@ to the next: vLLM's inductor configuration benchmarks candidate kernels on the d
 compiles (combo kernels; TORCHINDUCTOR_DETERMINISTIC=1, which would forbid it, makes the compile fail
 with "In the deterministic mode of Inductor, we will avoid those benchmarkings", measured), so two
 engines on the same weights can run different BF16 kernels around ours. Asserted:
-  - every engine starts, uses the Triton backend, generates; NVFP4 codes stay uint8 at their addresses
+  - every engine starts, uses the GPU backends (hopper_mma linears, triton_hopper experts), generates; NVFP4 codes stay uint8 at their addresses
   - determinism: the same requests twice give bitwise identical log-probs and tokens
   - after each update (made after graph capture): prompt log-probs, greedy tokens and decode log-probs
     equal the fresh seed-1 engine of the same mode bitwise (decode runs in captured graphs in the
@@ -109,7 +109,8 @@ def test_engine_starts_generates_and_is_deterministic(runs, kind, mode):
     for which in ("updated", "fresh", "fresh2") if mode == "compiled" else ("updated", "fresh"):
         r = runs[kind, mode, which]
         assert "start" in r and not {"start", "repeat", "process"} & set(r["errors"]), r["errors"]
-        assert r["backends"] == ["triton_hopper"]
+        # dense linears store the tiled layout of `hopper_mma`; MoE experts run `triton_hopper`
+        assert r["backends"] == (["hopper_mma", "triton_hopper"] if kind == "moe" else ["hopper_mma"]), r["backends"]
         assert all(len(t) == 16 for t in r["start"]["tokens"])
         _assert_same(r["start"], r["repeat"], f"{kind}/{mode}/{which} same request twice")
 

@@ -149,3 +149,32 @@ def test_quantize_model_swaps_linears_by_policy():
     assert quantize_model(model) == {"proj": "linear"}
     assert isinstance(model.proj, NVFP4Linear) and isinstance(model.lm_head, torch.nn.Linear)
     assert torch.equal(model.proj(x), expect)
+
+
+def test_tiled_storage_takes_every_write_in_its_layout_and_reads_back_modelopt():
+    """A `hopper_mma` layer stores the "mma_tiled" layout: online BF16 and pre-quantized shard writes, a
+    tensor-parallel K slice and a fused commit land exactly as `cuda_mma.tile_weight` of the ModelOpt
+    storage, and `read` gives the checkpoint tensors back."""
+    from nvfp4_sampler.kernels import cuda_mma
+    torch.manual_seed(3)
+    n, k = (32, 16), 512
+    a, b = torch.randn(n[0], k, dtype=torch.bfloat16), torch.randn(n[1], 2 * k, dtype=torch.bfloat16)
+    plain, shards = _fused(n, k)
+    tiled = plain.replace(codes=plain.codes.clone(), block_scales=plain.block_scales.clone(), layout="mma_tiled")
+    qb = reference.quantize_weight(b)
+    sb = layers.Shard("m.b_proj", (n[1], 2 * k), slice(n[0], sum(n)), src_cols=slice(k, 2 * k))
+    for w in (plain, tiled):
+        layers.write(w, shards["a"], "weight", a, config=CFG)                          # online
+        for kind, t in zip(layers.KINDS, (qb.codes, qb.block_scales, qb.global_scale)):
+            layers.write(w, sb, kind, t, config=CFG)                                   # triplet, K slice
+    want = cuda_mma.tile_weight(plain)
+    assert torch.equal(tiled.codes, want.codes) and torch.equal(_bytes(tiled.block_scales), _bytes(want.block_scales))
+    for s in (shards["a"], sb):
+        got, ref = layers.read(tiled, s), layers.read(plain, s)
+        assert all(torch.equal(_bytes(got[kind]), _bytes(ref[kind])) for kind in layers.KINDS)
+    fresh = plain.replace(codes=torch.zeros_like(plain.codes), block_scales=torch.zeros_like(plain.block_scales),
+                          layout="mma_tiled")
+    commit._write_fused([(fresh, True, torch.tensor([0] * n[0] + [1] * n[1]),
+                          {"weight": plain.codes, "weight_scale": plain.block_scales,
+                           "weight_scale_2": plain.global_scale[[0, n[0]]]})])
+    assert torch.equal(fresh.codes, want.codes) and torch.equal(_bytes(fresh.block_scales), _bytes(want.block_scales))

@@ -285,3 +285,38 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       }
     }
 }
+
+#if TILED
+// A "mma_tiled" weight as bf16 [N, K], row-major: e2m1 * block scale (exact: <= 6 significant bits), no
+// global scale. One thread per 16 code bytes (tile, chunk c, half, g, t: 32 elements of row
+// 16 * tile + g + 8 * half starting at 128 c + 32 t), decoded by `pairs` as the GEMM does.
+extern "C" __global__ void __launch_bounds__(256)
+w4_dequant(const uint4* __restrict__ w_codes, const u16* __restrict__ w_scales, u16* __restrict__ out, int N, int K) {
+  const size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (u >= (size_t)N * (K >> 5)) return;
+  const int t = u & 3, g = (u >> 2) & 7, half = (u >> 5) & 1, c = (int)((u >> 6) % (size_t)(K >> 7));
+  const size_t row = (u >> 6) / (size_t)(K >> 7) * 16 + g + 8 * half;
+  const uint4 q = w_codes[u];
+  const u32 f = e4m3x2_to_f16x2(w_scales[u]);
+  const u32 w[4] = {q.x, q.y, q.z, q.w};
+  uint4* dst = reinterpret_cast<uint4*>(out + row * K + (size_t)c * 128 + t * 32);
+#pragma unroll
+  for (int wd = 0; wd < 4; ++wd) {
+    const u32 sc = prmt(f, f, wd < 2 ? 0x1010 : 0x3232);
+    u32 p[4];
+    pairs(w[wd], p);
+    u16 e[8];                                   // elements 8 wd .. 8 wd + 7: p[i] = (e[3 - i], e[7 - i])
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 v = hmul2(p[i], sc);
+      float lo, hi;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)(v & 0xFFFF)));
+      asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(v >> 16)));
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(e[3 - i]) : "f"(__fmul_rn(lo, 16384.f)));
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(e[7 - i]) : "f"(__fmul_rn(hi, 16384.f)));
+    }
+    dst[wd] = make_uint4(e[0] | ((u32)e[1] << 16), e[2] | ((u32)e[3] << 16), e[4] | ((u32)e[5] << 16),
+                         e[6] | ((u32)e[7] << 16));
+  }
+}
+#endif
