@@ -10,10 +10,10 @@ runs in the worker process for it): GPU time by kernel category (ours, attention
 other compiled elementwise kernels, sampling) and the wall time, whose difference is GPU idle time. Layer counts are cut (shown in the
 table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
 layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
---strict compares nvfp4_sampler with nvfp4_sampler in strict mode instead (`quantization_config.strict`
-and VLLM_BATCH_INVARIANT=1: batch-invariant NVFP4 kernels plus vLLM's batch-invariant attention, norms,
-BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode (BF16 left out: two
-engines fit the step's time).
+--strict adds a third engine, nvfp4_sampler in strict mode (`quantization_config.strict` and
+VLLM_BATCH_INVARIANT=1: batch-invariant NVFP4 kernels plus vLLM's batch-invariant attention, norms,
+BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode, side by side with the
+default and BF16.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
                                     [--out FILE.json]
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
     ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of testing/checkpoints.py)")
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
-    ap.add_argument("--strict", action="store_true", help="nvfp4_sampler default vs strict (instead of BF16 vs nvfp4)")
+    ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (a third engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +142,7 @@ def main() -> None:
 
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
-    quants = ("nvfp4_sampler", STRICT) if args.strict else ("bf16", "nvfp4_sampler")
+    quants = ("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ())
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     shapes = [(s, int(n)) for s, n in (x.split(":") for x in args.shapes.split(","))] if args.shapes else \
         QUICK if args.quick else FULL
@@ -157,16 +157,19 @@ def main() -> None:
             entry[quant] = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-3000:]}
             Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    print(f"| model (layers) | batch | {quants[0]} tok/s | {quants[1]} tok/s | ratio | spread of {REPEATS} "
-          f"({' / '.join(quants)}) |\n|---|---|---|---|---|---|")
+    ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1])) if a in quants]
+    print(f"| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
+          + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"
+          + "---|" * (3 + len(quants) + len(ratios)))
     for shape, entry in results["models"].items():
         for b in BATCHES:
-            bf, nv = (entry[q].get("tokens_per_s", {}).get(str(b), entry[q].get("tokens_per_s", {}).get(b))
-                      for q in quants)
-            ratio = f"{nv / bf:.2f}x" if bf and nv else "n/a"
+            tps = {q: entry[q].get("tokens_per_s", {}).get(str(b), entry[q].get("tokens_per_s", {}).get(b))
+                   for q in quants}
+            cells = [f"{tps[x] / tps[y]:.2f}x" if tps[x] and tps[y] else "n/a" for x, y in ratios]
             spread = " / ".join("{:.0f}-{:.0f}".format(*entry[q].get("spread", {}).get(str(b), (0, 0)))
                                 for q in quants)
-            print(f"| {shape} ({entry['layers']}) | {b} | {bf or 0:.0f} | {nv or 0:.0f} | {ratio} | {spread} |")
+            print(f"| {shape} ({entry['layers']}) | {b} | " + " | ".join(f"{tps[q] or 0:.0f}" for q in quants)
+                  + " | " + " | ".join(cells) + f" | {spread} |")
         print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category ({' / '.join(quants)})")
         prof = {q: entry[q].get("profile", {}) for q in quants}
         cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))

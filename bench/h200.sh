@@ -44,7 +44,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
                               --out $OUT/bench_vllm_e2e.json" ;;
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
-    bench_strict) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
+    bench_strict) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
                               --out $OUT/bench_vllm_e2e_strict.json" ;;
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
