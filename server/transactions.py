@@ -86,7 +86,7 @@ class Update:
     last_activity: float = dataclasses.field(default_factory=time.monotonic)
     streaming: bool = False
     plan: TransferPlan | None = None                 # a planned update: IPC buckets by index only
-    bucket_offsets: list[int] = dataclasses.field(default_factory=list)   # bucket b's place in `buffer`
+    bucket_offsets: list[int] = dataclasses.field(default_factory=list)   # bucket b's place in `buffer`, then its size
     buckets: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # planned: staged bucket bytes
     opened: dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)  # shared buffers held open
 
@@ -240,15 +240,20 @@ class UpdateManager:
             for b in plan.buckets:
                 bucket_offsets.append(total)
                 total += -(-b.nbytes // ipc.ALIGN) * ipc.ALIGN
-        buffer = self._spare if self._spare is not None and self._spare.numel() >= total else None
-        self._spare = None
-        if buffer is None:
-            buffer = self.engine.staging_buffer(total)
+        # a planned update takes its host buffer when its first host bucket arrives: buckets that stay on
+        # their GPU (CUDA IPC) never need one (in front of vLLM it is a shared-memory file of the model's size)
+        buffer = self._staging(total) if plan is None else None
         slots = {e.name: buffer[offsets[e.name]:offsets[e.name] + payload_nbytes(e)] for e in manifest} \
             if plan is None else {}
         self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in manifest}, slots, buffer,
-                              plan=plan, bucket_offsets=bucket_offsets if plan is not None else [])
+                              plan=plan, bucket_offsets=bucket_offsets + [total] if plan is not None else [])
         return self.status(self.current)
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer of at least nbytes: the spare one if it is large enough, else the engine's."""
+        buffer = self._spare if self._spare is not None and self._spare.numel() >= nbytes else None
+        self._spare = None
+        return buffer if buffer is not None else self.engine.staging_buffer(nbytes)
 
     def get(self, update_id: str) -> Update:
         if self.current is None or self.current.id != update_id:
@@ -342,6 +347,8 @@ class UpdateManager:
             for name in members:
                 u.staged.pop(name, None)                     # their bytes are about to be overwritten
         if flat.device.type == "cpu":
+            if u.buffer is None:
+                u.buffer = self._staging(u.bucket_offsets[-1])
             dst = u.buffer[u.bucket_offsets[b]:u.bucket_offsets[b] + n]
         else:
             dst = torch.empty(n, dtype=torch.uint8, device=flat.device)

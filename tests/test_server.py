@@ -483,3 +483,24 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     assert st.plan_id == plan.plan_id and len(st.missing) == len(entries)
     client.abort(st.update_id)
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def test_planned_update_takes_a_host_buffer_only_when_a_host_bucket_arrives(models):
+    """A planned update allocates no staging buffer at begin (its buckets may stay on their GPU: in front
+    of vLLM that buffer is a shared-memory file of the model's size); the first host bucket takes one."""
+    from nvfp4_sampler.server.engines.embedded import EmbeddedEngine
+    from nvfp4_sampler.server.ipc import shared_cpu_buffer
+    from nvfp4_sampler.server.plan import TransferPlan
+    from nvfp4_sampler.server.protocol import BeginRequest
+    from nvfp4_sampler.server.transactions import RWLock, UpdateManager
+
+    b = tensors(models["b_nvfp4"])
+    entries = list(iter_entries(b))
+    manager = UpdateManager(EmbeddedEngine(models["a"]), max_frame_bytes=1 << 30, idle_timeout_s=60, lock=RWLock())
+    st = manager.begin(BeginRequest(target_version=1, manifest=entries, bucket_bytes=128 << 10))
+    plan, u = manager.plans[st.plan_id], manager.current
+    assert u.buffer is None
+    flat = shared_cpu_buffer(plan.new_buffer().numel())
+    manager._stage_planned(u, 0, plan.pack(0, b, flat))
+    assert u.buffer is not None and u.buffer.numel() >= sum(bk.nbytes for bk in plan.buckets)
+    manager.abort(u.id)
