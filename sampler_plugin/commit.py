@@ -233,14 +233,28 @@ def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
 
 
 def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict | None):
-    """`_fused_plan`, looked up in `cache` (keyed by the entry's name, slots and tensor shapes) when given."""
+    """`_fused_plan`, looked up in `cache` (keyed by the entry's name, slots and tensor shapes) when given;
+    a cached plan whose storage is no longer where the entry's first tensor lives (an engine put fresh
+    parameters in place, as vLLM's layerwise reload may) is found again."""
     if cache is None:
         return _fused_plan(targets, entry)
     key = (entry.name, entry.layout, entry.slots,
            tuple((k, t.dtype, tuple(t.shape)) for k, t in sorted(entry.tensors.items())))
-    if key not in cache:
-        cache[key] = _fused_plan(targets, entry)
-    return cache[key]
+    plan = cache.get(key, _UNSEEN)
+    if plan is _UNSEEN or (plan is not None and not _serving(plan[0], targets, entry)):
+        plan = cache[key] = _fused_plan(targets, entry)
+    return plan
+
+
+_UNSEEN = object()
+
+
+def _serving(storage: NVFP4Tensor, targets: Mapping[str, Target], entry: FusedEntry) -> bool:
+    """Whether `storage` is still the storage of the entry's first checkpoint tensor in `targets`."""
+    slot = entry.slots[0]
+    name = slot.name if slot.experts is None else slot.name.format(e=0)
+    t = targets.get(name.removesuffix(".weight"))
+    return t is not None and t.weight is not None and t.weight.codes.data_ptr() == storage.codes.data_ptr()
 
 
 def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapping[str, torch.Tensor]]]) -> None:

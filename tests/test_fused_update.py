@@ -208,3 +208,19 @@ def test_the_sidecar_commits_a_planned_update_as_fused_entries():
     commit.apply_update(ref, t, config=CFG)
     assert_same(state(ref), state(engine.targets))
     print(f"\nplanned commit: {len(manifest)} manifest entries -> {len(plan.entries)} fused entries")
+
+
+def test_cached_plans_follow_fresh_storage():
+    """A plan cache kept across updates (the engines keep one) writes into the storage the targets name
+    now: after an engine puts fresh parameters in place, the next commit lands there, not in the old."""
+    t = moe_update()
+    _, entries = fused_entries(t)
+    cache: dict = {}
+    old = engine_targets()
+    commit.apply_fused(old, entries, config=CFG, cache=cache)
+    fresh, ref = engine_targets(), engine_targets()
+    before = state(old)
+    commit.apply_fused(fresh, entries, config=CFG, cache=cache)
+    commit.apply_fused(ref, entries, config=CFG)
+    assert_same(state(fresh), state(ref))
+    assert_same(state(old), before)

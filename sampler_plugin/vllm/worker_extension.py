@@ -108,7 +108,8 @@ class NVFP4SamplerWorkerExtension:
         targets = reload_targets(model)
         with torch.no_grad():
             if fused:
-                names = commit.apply_fused(targets, fused, config=config, tensors=tensors)
+                cache = self.__dict__.setdefault("_nvfp4_fused_plans", {})     # found once per entry (commit)
+                names = commit.apply_fused(targets, fused, config=config, tensors=tensors, cache=cache)
             else:
                 names = commit.apply_update(targets, tensors, config=config)
             _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names
