@@ -144,13 +144,13 @@ class LayerCore:
         return {s.name: commit.Target(weight=storage[name], shard=s) for name, s in self.shards(layer)}
 
     def _register(self, layer: torch.nn.Module, weights: dict[str, NVFP4Tensor], loader, *, op: str,
-                  k: int, tp_amax: bool = False, rows: tuple[int, ...] = ()) -> None:
+                  k: int, tp_amax: bool = False, rows: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> None:
         bound = types.MethodType(loader, layer)
         for name, w in weights.items():
             layers.register_weight(layer, w, bound, stem=_stem(name))
         first = next(iter(weights.values()))
         layer.nvfp4_backend = layers.choose_backend(self.config, op=op, name=self.prefix, device=first.codes.device,
-                                                    k=k, tp_amax=tp_amax, rows=rows)
+                                                    k=k, tp_amax=tp_amax, rows=rows, dtype=dtype)
         layer.nvfp4_layout = dispatch.BACKENDS[layer.nvfp4_backend].weight_layout
         self.memory.add_layer()
 
@@ -219,10 +219,11 @@ class LinearCore(LayerCore):
         return LinearParallel()
 
     def create_linear(self, layer: torch.nn.Module, *, output_sizes: list[int], input_size: int, k_part: int,
-                      tp_group=None) -> None:
+                      tp_group=None, dtype: torch.dtype | None = None) -> None:
         """Register the parameters for outputs `output_sizes` (this rank's rows of each part) x `k_part`
         (this rank's K of `input_size`), and choose the backend. tp_group: the process group of a
-        row-parallel layer over more than one rank (its activation amax is all-reduced)."""
+        row-parallel layer over more than one rank (its activation amax is all-reduced). dtype: the
+        engine's activation dtype (params_dtype), so a backend that cannot take it is refused at load."""
         if len(output_sizes) != len(self.shard_names):
             raise ValueError(f"nvfp4_sampler: {self.prefix}: {len(output_sizes)} output shards but "
                              f"checkpoint names {self.shard_names}")
@@ -230,7 +231,7 @@ class LinearCore(LayerCore):
         layer.nvfp4_geometry = (list(output_sizes), input_size, k_part)
         layer.nvfp4_tp_group = tp_group
         self._register(layer, {"weight": w}, _load_linear, op="linear", k=k_part, tp_amax=tp_group is not None,
-                       rows=tuple(output_sizes))
+                       rows=tuple(output_sizes), dtype=dtype)
 
     def shards(self, layer: torch.nn.Module) -> list[tuple[str, layers.Shard]]:
         if not hasattr(layer, "nvfp4_shards"):

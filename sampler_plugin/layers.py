@@ -296,18 +296,19 @@ class LoadTracker:
 
 
 def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.device | str, k: int,
-                   tp_amax: bool = False, rows: tuple[int, ...] = ()) -> str:
+                   tp_amax: bool = False, rows: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> str:
     """The kernels backend name that runs layer `name` (once per layer, when weights are created);
     its `weight_layout` is the layout the layer stores.
 
     op: "linear" or "moe"; k: the layer's (per-rank) input size; tp_amax: a row-parallel layer on
     more than one tensor-parallel rank, which passes the all-reduced activation amax; rows: the rows
-    of each checkpoint tensor the layer stacks (this rank's; layers written by shard pass them). Raises
+    of each checkpoint tensor the layer stacks (this rank's; layers written by shard pass them); dtype:
+    the activations' dtype when the engine says it (None: unknown). Raises
     RuntimeError naming the layer and every backend's reason if none can serve it (or the one
     `config.backend` forces cannot).
     """
     req = dispatch.Requirements(op, scaling=config.recipe.activation_scaling, amax_override=tp_amax, k=k,
-                                rows=tuple(rows), strict=config.strict)
+                                rows=tuple(rows), strict=config.strict, dtype=dtype)
     try:
         return dispatch.choose_backend(device, config.backend, req=req).name
     except (RuntimeError, ValueError) as e:

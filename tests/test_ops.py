@@ -304,3 +304,19 @@ def test_vllm_adapter_fails_at_create_weights_naming_the_layer():
                                ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], layers.MemoryReport())
     method.create_weights(layer, 64, [32, 32], 64, 64, torch.bfloat16)
     assert layer.nvfp4_backend == "reference" and layer.nvfp4_tp_group is None
+
+
+def test_hopper_mma_takes_tileable_per_token_linears_only():
+    """What the tiled backend can serve is decided from the layer at load (device aside): per-token linears
+    with K % 128 == 0 and 16-row parts; strict refuses activations the tensor-core kernel cannot take."""
+    can = dispatch.HopperMmaBackend.can_implement
+    assert can(dispatch.Requirements("linear", k=2048, rows=(2048, 512, 512)))[0]
+    for req, why in [(dispatch.Requirements("linear", k=2048), "16-row parts"),
+                     (dispatch.Requirements("linear", k=2000, rows=(64,)), "K % 128"),
+                     (dispatch.Requirements("linear", k=2048, rows=(64, 24)), "16-row parts"),
+                     (dispatch.Requirements("linear", scaling="per_tensor", k=2048, rows=(64,)), "per-token"),
+                     (dispatch.Requirements("moe", k=2048), "per-token linears only"),
+                     (dispatch.Requirements("linear", k=2048, rows=(64,), strict=True, dtype=torch.float32), "bf16/fp16")]:
+        ok, reason = can(req)
+        assert not ok and why in reason, (req, reason)
+    assert dispatch.HopperMmaBackend.is_supported(torch.device("cpu")) == (False, "needs a CUDA device, got cpu")

@@ -21,4 +21,4 @@ class NVFP4LinearMethod(LinearCore, LinearMethodBase):
             raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: tensor parallelism is not supported by the "
                                       f"SGLang adapter yet (tp_size must be 1)")
         self.create_linear(layer, output_sizes=output_partition_sizes, input_size=input_size,
-                           k_part=input_size_per_partition)
+                           k_part=input_size_per_partition, dtype=params_dtype)

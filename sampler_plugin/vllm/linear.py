@@ -26,7 +26,7 @@ class NVFP4LinearMethod(LinearCore, LinearMethodBase):
         row_sharded = isinstance(layer, RowParallelLinear) and getattr(layer, "tp_size", 1) > 1
         tp_group = get_tp_group().device_group if row_sharded else None
         self.create_linear(layer, output_sizes=output_partition_sizes, input_size=input_size,
-                           k_part=input_size_per_partition, tp_group=tp_group)
+                           k_part=input_size_per_partition, tp_group=tp_group, dtype=params_dtype)
 
     def parallel(self, layer: torch.nn.Module) -> LinearParallel:
         qkv = isinstance(layer, QKVParallelLinear)
