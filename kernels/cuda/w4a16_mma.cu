@@ -73,6 +73,22 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   return r;
 }
 
+// A thread's two e4m3 block scales of one row and chunk (blocks 2t and 2t+1) as FP16 pairs (s, s): sc[0]
+// scales its words 0-1, sc[1] its words 2-3.
+__device__ __forceinline__ void block_scales(u16 s, u32 (&sc)[2]) {
+  const u32 f = e4m3x2_to_f16x2(s);
+  sc[0] = prmt(f, f, 0x1010);
+  sc[1] = prmt(f, f, 0x3232);
+}
+
+// A word of codes decoded (`pairs`) and multiplied by its block scale pair (exact in FP16), as the GEMM
+// and the dequantizer both use it.
+__device__ __forceinline__ void scaled_pairs(u32 w, u32 sc, u32 (&p)[4]) {
+  pairs(w, p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = hmul2(p[i], sc);
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -133,23 +149,21 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
 // One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations.
 __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1, float (&acc)[NT][4],
                                               const uint4* xs, int c, int g, int t) {
-  const u32 f0 = e4m3x2_to_f16x2(s0), f1 = e4m3x2_to_f16x2(s1);
+  u32 sc0[2], sc1[2];                                   // rows g and g + 8
+  block_scales(s0, sc0);
+  block_scales(s1, sc1);
   const u32 w0[4] = {q0.x, q0.y, q0.z, q0.w};
   const u32 w1[4] = {q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
   for (int wd = 0; wd < 4; ++wd) {
-    const u32 sel = wd < 2 ? 0x1010 : 0x3232;          // words 0-1: block 2t, words 2-3: block 2t+1
-    const u32 sa = prmt(f0, f0, sel), sb = prmt(f1, f1, sel);
-    u32 pa[4], pb[4];
-    pairs(w0[wd], pa);
-    pairs(w1[wd], pb);
-    const u32 a0 = hmul2(pa[0], sa), a1 = hmul2(pb[0], sb), a2 = hmul2(pa[1], sa), a3 = hmul2(pb[1], sb);
-    const u32 a4 = hmul2(pa[2], sa), a5 = hmul2(pb[2], sb), a6 = hmul2(pa[3], sa), a7 = hmul2(pb[3], sb);
+    u32 pa[4], pb[4];                                   // rows g and g + 8
+    scaled_pairs(w0[wd], sc0[wd >> 1], pa);
+    scaled_pairs(w1[wd], sc1[wd >> 1], pb);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const uint4 bx = xs[((c * 4 + wd) * (NT * 8) + j * 8 + g) * 4 + t];
-      mma(acc[j], a0, a1, a2, a3, bx.x, bx.y);
-      mma(acc[j], a4, a5, a6, a7, bx.z, bx.w);
+      mma(acc[j], pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
+      mma(acc[j], pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
     }
   }
 }
@@ -289,7 +303,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #if TILED
 // A "mma_tiled" weight as bf16 [N, K], row-major: e2m1 * block scale (exact: <= 6 significant bits), no
 // global scale. One thread per 16 code bytes (tile, chunk c, half, g, t: 32 elements of row
-// 16 * tile + g + 8 * half starting at 128 c + 32 t), decoded by `pairs` as the GEMM does.
+// 16 * tile + g + 8 * half starting at 128 c + 32 t), decoded by `scaled_pairs` as the GEMM does.
 extern "C" __global__ void __launch_bounds__(256)
 w4_dequant(const uint4* __restrict__ w_codes, const u16* __restrict__ w_scales, u16* __restrict__ out, int N, int K) {
   const size_t u = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -297,18 +311,18 @@ w4_dequant(const uint4* __restrict__ w_codes, const u16* __restrict__ w_scales, 
   const int t = u & 3, g = (u >> 2) & 7, half = (u >> 5) & 1, c = (int)((u >> 6) % (size_t)(K >> 7));
   const size_t row = (u >> 6) / (size_t)(K >> 7) * 16 + g + 8 * half;
   const uint4 q = w_codes[u];
-  const u32 f = e4m3x2_to_f16x2(w_scales[u]);
+  u32 sc[2];
+  block_scales(w_scales[u], sc);
   const u32 w[4] = {q.x, q.y, q.z, q.w};
   uint4* dst = reinterpret_cast<uint4*>(out + row * K + (size_t)c * 128 + t * 32);
 #pragma unroll
   for (int wd = 0; wd < 4; ++wd) {
-    const u32 sc = prmt(f, f, wd < 2 ? 0x1010 : 0x3232);
     u32 p[4];
-    pairs(w[wd], p);
+    scaled_pairs(w[wd], sc[wd >> 1], p);
     u16 e[8];                                   // elements 8 wd .. 8 wd + 7: p[i] = (e[3 - i], e[7 - i])
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const u32 v = hmul2(p[i], sc);
+      const u32 v = p[i];
       float lo, hi;
       asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)(v & 0xFFFF)));
       asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(v >> 16)));
