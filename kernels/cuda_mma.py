@@ -108,10 +108,14 @@ def tiles(m: int, *, rw: int | None = None) -> tuple[int, int]:
     return nt, rw
 
 
-def _tile_order(n: int, k: int, unit: int) -> tuple[list[int], list[int]]:
+def _tile_order(n: int, k: int, unit: int, *, inverse: bool = False) -> tuple[list[int], list[int]]:
     """(shape, permutation) taking a row-major [N, K * unit / 128] byte array (unit bytes per thread
-    and chunk: 16 for codes, 2 for scales) to the tiled order [N/16][K/128][half][g][t][unit]."""
-    return [n // 16, 2, 8, k // CHUNK, 4, unit], [0, 3, 1, 2, 4, 5]
+    and chunk: 16 for codes, 2 for scales) to the tiled order [N/16][K/128][half][g][t][unit] (inverse:
+    the tiled array back)."""
+    shape, perm = [n // 16, 2, 8, k // CHUNK, 4, unit], [0, 3, 1, 2, 4, 5]
+    if inverse:
+        shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
+    return shape, perm
 
 
 def _encode_words(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
@@ -139,10 +143,9 @@ def tile_codes(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     multiples of 16) are the tiled form of those rows alone, in the same byte range: shards of a fused
     layer are written and read by rows."""
     k = _check_rows(codes, 2, "tile_codes")
-    shape, perm = _tile_order(codes.shape[0], k, 16)
+    shape, perm = _tile_order(codes.shape[0], k, 16, inverse=inverse)
     if inverse:
         codes = _encode_words(codes, inverse=True)
-        shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
     out = codes.reshape(shape).permute(perm).contiguous().reshape(codes.shape)
     return out if inverse else _encode_words(out)
 
@@ -151,9 +154,7 @@ def tile_scales(scales: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     """Block scales [R, K/16] (e4m3 or a uint8 view) of R rows, ModelOpt -> "mma_tiled" order (inverse:
     back), as `tile_codes`."""
     k = _check_rows(scales, 16, "tile_scales")
-    shape, perm = _tile_order(scales.shape[0], k, 2)
-    if inverse:
-        shape, perm = [shape[i] for i in perm], [perm.index(i) for i in range(len(perm))]
+    shape, perm = _tile_order(scales.shape[0], k, 2, inverse=inverse)
     return scales.view(torch.uint8).reshape(shape).permute(perm).contiguous().reshape(scales.shape).view(scales.dtype)
 
 
