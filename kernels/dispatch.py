@@ -6,7 +6,8 @@ A backend is a class with
   is_supported(device) -> (ok, reason)       can it run on this device at all (libraries, hardware)
   can_implement(req) -> (ok, reason)         can it compute this layer (`Requirements`: op, scaling,
                                              activation amax override, shape)
-  prepare(device)                            load-time set-up once chosen (compiled kernels, buffers)
+  prepare(device, op)                        load-time set-up once chosen for `op` (compiled kernels, buffers;
+                                             a quantizer-only choice compiles no GEMM)
 and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`), each taking the
 quantizer's `op_order` ("vllm", the spec, or "te": `kernels.reference`); `linear` and `moe` also
 take `strict` (batch-invariant sums: the reference in fp64, the GPU backends' `triton_strict`).
@@ -85,7 +86,7 @@ class ReferenceBackend:
         return True, "plain torch runs on every device"
 
     @staticmethod
-    def prepare(device: torch.device) -> None:
+    def prepare(device: torch.device, op: str) -> None:
         """Load-time set-up of the chosen backend on `device` (nothing to do for the reference)."""
 
     @staticmethod
@@ -180,11 +181,13 @@ class TritonHopperBackend:
         return (ok, reason) if not ok else (True, "the Triton kernels implement every op (amax override included)")
 
     @staticmethod
-    def prepare(device: torch.device) -> None:
-        """Compile and load the CUDA decode kernels (`cuda_mma.prepare`) once per device, so forwards and
-        CUDA-graph captures never compile; without them the decode path falls back to the Triton GEMV."""
-        from . import triton_gemm
-        triton_gemm._mma_supported(device)
+    def prepare(device: torch.device, op: str) -> None:
+        """For linears: compile and load the CUDA decode kernels (`cuda_mma.prepare`) once per device, so
+        forwards and CUDA-graph captures never compile; without them the decode path falls back to the
+        Triton GEMV."""
+        if op == "linear":
+            from . import triton_gemm
+            triton_gemm._mma_supported(device)
 
     @staticmethod
     def quantize_weight(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None = None,
@@ -255,8 +258,10 @@ class HopperMmaBackend(TritonHopperBackend):
         return True, "the tiled tensor-core decode kernel and the exact-BF16 path (strict: the kernel at every M)"
 
     @staticmethod
-    def prepare(device: torch.device) -> None:
-        """Compile and load the CUDA kernels (both layouts, the dequantizer) once per device."""
+    def prepare(device: torch.device, op: str) -> None:
+        """For linears: compile and load the CUDA kernels (both layouts, the dequantizer) once per device."""
+        if op != "linear":
+            return
         from . import cuda_mma
         ok, reason = cuda_mma.prepare(device)
         if not ok:
@@ -265,12 +270,12 @@ class HopperMmaBackend(TritonHopperBackend):
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
                amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
+        w = w.replace(layout="mma_tiled")                      # the layout this backend's layers store
         if strict:
             from . import triton_strict
-            return triton_strict.linear(x, w.replace(layout="mma_tiled"), bias=bias, amax=amax, op_order=op_order)
+            return triton_strict.linear(x, w, bias=bias, amax=amax, op_order=op_order)
         from . import triton_gemm
-        return triton_gemm.linear(x, w.replace(layout="mma_tiled"), bias=bias, scaling=scaling, amax=amax,
-                                  op_order=op_order)
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
 
 
 BACKENDS: dict[str, type] = {"hopper_mma": HopperMmaBackend, "triton_hopper": TritonHopperBackend,
@@ -299,7 +304,7 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
         if ok:
             ok, reason = BACKENDS[name].can_implement(req)
         if ok:
-            BACKENDS[name].prepare(device)
+            BACKENDS[name].prepare(device, req.op)
             return BACKENDS[name]
         reasons.append(f"{name}: {reason}")
     what = f"backend {backend!r} cannot run" if backend != "auto" else "no NVFP4 backend can run"
@@ -338,8 +343,7 @@ def quantize_weight_on(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tenso
                        op_order: str = "vllm", backend: str = "auto") -> NVFP4Tensor:
     """quantize_weight on w's device through the chosen backend (bit-identical to the reference).
     A load-time operation (it probes the backend)."""
-    req = Requirements("quantize_activations")                 # every backend's quantizers serve weights too
-    return choose_backend(w.device, backend, req=req).quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
+    return quantizer(w.device, backend).quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
 
 def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor, recipe: str = "1d",
@@ -350,4 +354,11 @@ def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tenso
     Triton backend writes there directly (one launch) and neither checks w's values nor syncs the
     host: NaN/Inf in w show in `amax`, which the caller checks on the device. The reference backend
     quantizes and copies (one host sync; a non-finite amax leaves out unwritten)."""
-    return choose_backend(w.device, backend).quantize_weight_into(w, out, amax=amax, recipe=recipe, op_order=op_order)
+    return quantizer(w.device, backend).quantize_weight_into(w, out, amax=amax, recipe=recipe, op_order=op_order)
+
+
+def quantizer(device: torch.device | str, backend: str = "auto") -> type:
+    """The backend class whose quantizers (weights and activations) run on `device`: chosen as for
+    `quantize_activations`, so a quantizer-only choice (converters, a trainer's sender) compiles no GEMM
+    kernels. Call once per device, not per tensor, where tensors are many."""
+    return choose_backend(device, backend, req=Requirements("quantize_activations"))

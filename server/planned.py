@@ -181,7 +181,7 @@ class PlannedSender:
 
     def _quantize(self, w: torch.Tensor, amax: torch.Tensor, parts: dict[str, torch.Tensor], job: Job) -> None:
         if w.device not in self.quantizer:
-            self.quantizer[w.device] = dispatch.choose_backend(w.device, self.options.backend)
+            self.quantizer[w.device] = dispatch.quantizer(w.device, self.options.backend)
         codes, scales, s2 = parts["weight"][job.rows], parts["weight_scale"][job.rows], parts["weight_scale_2"][job.scale]
         if job.split is not None:                              # [E, P*R, .] parts as [E*P, R, .] matrices
             codes, scales = (t.view(-1, job.split, t.shape[-1]) for t in (codes, scales))
