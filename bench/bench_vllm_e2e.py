@@ -2,12 +2,16 @@
 
 For each model shape (random BF16 checkpoints built on the GPU, `testing/checkpoints.py`) two
 engines, one per process: BF16 and `quantization="nvfp4_sampler"` (online quantization of the same
-checkpoint). Each measures, per batch size B, decode tokens/s = B * (N - 1) / (t(N) - t(1)) where t(n)
-is the wall time of `generate` for B prompts of PROMPT_LEN tokens and n new tokens (greedy, ignore_eos):
-subtracting the one-token run removes prefill and scheduling start-up; the median of REPEATS pairs is
-reported with its range. Then a per-step breakdown at batch 16 from the torch profiler (the engine core
-runs in the worker process for it): GPU time by kernel category (ours, attention, BF16 GEMMs, norms and
-other compiled elementwise kernels, sampling) and the wall time, whose difference is GPU idle time. Layer counts are cut (shown in the
+checkpoint). Each engine runs as users run vLLM: engine core in its own process, async scheduling as
+vLLM defaults it (both recorded in the JSON). Each measures, per batch size B, decode tokens/s =
+B * (N - 1) / (t(N) - t(1)) where t(n) is the wall time of `generate` for B prompts of PROMPT_LEN tokens
+and n new tokens (greedy, ignore_eos): subtracting the one-token run removes prefill and scheduling
+start-up; the median of REPEATS pairs is reported with its range. Then a per-step breakdown at batch 16
+through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `stop_profile`; it runs in
+the engine core's process and writes a chrome trace there): GPU time by kernel category (ours,
+attention, BF16 GEMMs, norms and other compiled elementwise kernels, sampling), the wall time of the
+profiled runs (their difference is GPU idle time; the profiler's host overhead is in it) and the
+unprofiled wall per step at batch 16 (B / tokens/s). Layer counts are cut (shown in the
 table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
 layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
 --strict adds a third engine, nvfp4_sampler in strict mode (`quantization_config.strict` and
@@ -24,6 +28,7 @@ under $OUT by default, ratio table printed)
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -65,24 +70,38 @@ def _category(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k.lower() in low for k in keys)), "other")
 
 
+def profiler_config(trace_dir: str | Path) -> dict:
+    """vLLM's torch profiler writing plain chrome traces into trace_dir (absolute), no stacks, no printed
+    tables, no frontend trace. It only records between `llm.start_profile()` and `llm.stop_profile()`;
+    fields of vLLM 0.26 and later (`vllm.config.ProfilerConfig`)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+
+
 def worker(model: str, quant: str, mode: str, out: str) -> None:
     """One engine (quant: "bf16", "nvfp4_sampler" or STRICT, nvfp4_sampler in strict mode): decode
     tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
     category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core in this process: the profiler sees it
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
     strict = {}
     if quant == STRICT:
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
         from nvfp4_sampler.sampler_format import SamplerConfig
         quant, strict = "nvfp4_sampler", {"hf_overrides": {"quantization_config": SamplerConfig(strict=True).to_dict()}}
+    import vllm
     from vllm import LLM, SamplingParams
 
+    trace_dir = Path(out).resolve().with_suffix(".traces")
     t0 = time.time()
     llm = LLM(model, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 16, max_num_seqs=max(BATCHES), gpu_memory_utilization=0.6,
-              attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0, **strict, **MODES[mode])
-    result = {"start_seconds": round(time.time() - t0, 1), "tokens_per_s": {}, "spread": {}}
+              attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0,
+              profiler_config=profiler_config(trace_dir), **strict, **MODES[mode])
+    result = {"start_seconds": round(time.time() - t0, 1), "vllm": vllm.__version__,
+              "engine_core": "separate process", "async_scheduling": async_scheduling(llm),
+              "tokens_per_s": {}, "spread": {}}
 
     def run(b: int, n: int) -> float:
         prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 30000 + 10 for j in range(PROMPT_LEN)]} for i in range(b)]
@@ -96,26 +115,56 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         result["tokens_per_s"][b] = rates[REPEATS // 2]
         result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
-    result["profile"] = profile_decode(run, 16)
+    result["profile"] = profile_decode(llm, run, 16, trace_dir)
+    result["profile"]["wall_us_per_step_unprofiled"] = 16 / result["tokens_per_s"][16] * 1e6
     Path(out).write_text(json.dumps(result))
     print(f"{quant} {Path(model).name}: {result}", flush=True)
 
 
-def profile_decode(run, b: int, steps: int = 32) -> dict:
-    """Per decode step at batch b: GPU microseconds by kernel category and the wall time (their
-    difference is host time the GPU waited for), from profiled runs of steps + 1 and 1 new tokens."""
-    from torch.profiler import ProfilerActivity, profile
+def async_scheduling(llm) -> bool | None:
+    """Whether the engine resolved async scheduling on (None where this vLLM does not say)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return getattr(getattr(config, "scheduler_config", None), "async_scheduling", None)
 
-    def profiled(n: int) -> tuple[dict, float]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+def trace_device_us(path: Path) -> dict[str, float]:
+    """GPU microseconds per kernel name (memcpy and memset included) in one chrome trace (.json or
+    .json.gz) written by the torch profiler."""
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    us: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
+    return us
+
+
+def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) -> dict:
+    """Per decode step at batch b: GPU microseconds by kernel category and the wall time (their
+    difference is host time the GPU waited for), from runs of steps + 1 and 1 new tokens, each between
+    `llm.start_profile()` and `llm.stop_profile()` (llm built with `profiler_config(trace_dir)`; the
+    traces the profiler writes into trace_dir on stop are read back). `run(b, n)` -> wall seconds."""
+    trace_dir = Path(trace_dir)
+
+    def profiled(n: int) -> tuple[dict, float, list]:
+        before = set(trace_dir.glob("*")) if trace_dir.exists() else set()
+        llm.start_profile()
+        try:
             wall = run(b, n)
+        finally:
+            llm.stop_profile()                              # returns once the trace is written
+        traces = sorted(p for p in set(trace_dir.glob("*")) - before if p.name.endswith((".json", ".json.gz")))
+        if not traces:
+            raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
+        kernels: dict = {}
+        for path in traces:                                 # one per worker (rank)
+            for name, us in trace_device_us(path).items():
+                kernels[name] = kernels.get(name, 0.0) + us
         cats: dict = {}
-        for e in prof.key_averages():
-            us = getattr(e, "device_time_total", 0.0) or 0.0
-            if us and e.device_type.name == "CUDA":
-                cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + us
-        top = sorted(((getattr(e, "device_time_total", 0.0) or 0.0, e.key) for e in prof.key_averages()), reverse=True)
-        return cats, wall, [(round(us, 1), key[:80]) for us, key in top[:12]]
+        for name, us in kernels.items():
+            cats[_category(name)] = cats.get(_category(name), 0.0) + us
+        top = sorted(((us, name) for name, us in kernels.items()), reverse=True)
+        return cats, wall, [(round(us, 1), name[:80]) for us, name in top[:12]]
 
     long, wall_long, top = profiled(steps + 1)
     short, wall_short, _ = profiled(1)
@@ -154,11 +203,15 @@ def main() -> None:
             out = tmp / f"{shape}-{quant}.json"
             proc = subprocess.run([sys.executable, __file__, "--worker", str(path), quant, args.mode, str(out)],
                                   cwd=ROOT, capture_output=True, text=True)
-            entry[quant] = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-3000:]}
+            entry[quant] = json.loads(out.read_text()) if out.exists() else {}
+            if proc.returncode:                             # what it measured before failing is kept
+                entry[quant]["error"] = proc.stderr[-3000:]
             Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
+    asyncs = sorted({str(e[q].get("async_scheduling")) for e in results["models"].values() for q in quants})
+    print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
+          f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
     ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1])) if a in quants]
-    print(f"| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
+    print("| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
           + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"
           + "---|" * (3 + len(quants) + len(ratios)))
     for shape, entry in results["models"].items():
@@ -173,9 +226,10 @@ def main() -> None:
         print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category ({' / '.join(quants)})")
         prof = {q: entry[q].get("profile", {}) for q in quants}
         cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
-        for c in cats + ["GPU total", "wall"]:
-            vals = [p.get("gpu_us_per_step", {}).get(c) if c not in ("GPU total", "wall") else
-                    p.get("gpu_total_us_per_step" if c == "GPU total" else "wall_us_per_step") for p in prof.values()]
+        totals = {"GPU total": "gpu_total_us_per_step", "wall (profiled)": "wall_us_per_step",
+                  "wall (unprofiled, 16 / tokens/s)": "wall_us_per_step_unprofiled"}
+        for c in cats + list(totals):
+            vals = [p.get(totals[c]) if c in totals else p.get("gpu_us_per_step", {}).get(c) for p in prof.values()]
             print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
         for q in quants:
             if "error" in entry[q]:
