@@ -15,6 +15,9 @@ while decoding equal bitwise the prompt log-probs of the same sequences recomput
 batch; the same after an in-place update (`nvfp4_apply_update`, after graph capture). The default
 compiled mode (torch.compile + CUDA graphs) runs beside them, dense and TRITON_ATTN only, and is
 reported, not asserted (its BF16 ops come from inductor, outside vLLM's batch-invariant overrides).
+A control shows the equality can fail: the same observations in default (non-strict) mode without
+VLLM_BATCH_INVARIANT (dense, TRITON_ATTN, graphs) are reported, and must differ somewhere in the mixed
+batch, whose decode (M = 4) and recomputing prefill (M = 207) run different GEMM and attention paths.
 Run (H200, ~2-3 min): python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_strict.py   (bench/h200.sh strict)
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 ATTENTION = ("TRITON_ATTN", "FLASH_ATTN")
 ASSERTED = [(kind, att, "graphs") for kind in KINDS for att in ATTENTION]
 REPORTED = [("dense", "TRITON_ATTN", "compiled")]
+CONTROL = ("dense", "TRITON_ATTN", "graphs", "default")     # (..., execution): not strict, not batch-invariant
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def test_strict_kernels_are_batch_invariant(cuda):
 
 @pytest.fixture(scope="module")
 def runs(cuda, tmp_path_factory):
-    """(kind, attention, mode) -> the engine's JSON results."""
+    """(kind, attention, mode) and CONTROL -> the engine's JSON results."""
     from nvfp4_sampler.testing.checkpoints import build
     from tests.gpu_scripts import run_script
 
@@ -93,12 +97,13 @@ def runs(cuda, tmp_path_factory):
              for kind, (shape, layers) in KINDS.items() for seed in (0, 1)}
 
     def run(key):
-        kind, att, mode = key
-        args = ["--model", str(ckpts[kind, 0]), "--new", str(ckpts[kind, 1]), "--attention", att, "--mode", mode]
+        kind, att, mode, execution = (*key, "strict")[:4]
+        args = ["--model", str(ckpts[kind, 0]), "--new", str(ckpts[kind, 1]), "--attention", att, "--mode", mode,
+                "--execution", execution]
         name = "_".join(key)
         return run_script("tests.gpu_scripts.vllm_strict", args, d / f"{name}.json", d / f"{name}.log", timeout=220)
 
-    keys = ASSERTED + REPORTED
+    keys = ASSERTED + REPORTED + [CONTROL]
     with concurrent.futures.ThreadPoolExecutor(len(keys)) as pool:
         results = dict(zip(keys, pool.map(run, keys)))
     if os.environ.get("OUT"):
@@ -134,3 +139,21 @@ def test_decode_logprobs_equal_the_recomputed_ones_bitwise(runs, key, phase):
             f"{key} {phase} {obs}: max |d| {(a - b).abs().max():.3e}, {int((a != b).sum())} of {a.numel()} differ"
     if phase == "updated":
         assert r["updated"]["greedy|mixed"] != r["start"]["greedy|mixed"]
+
+
+def test_control_differs_in_the_mixed_batch(runs):
+    """Without strict mode the mixed batch's decode and recompute differ somewhere (any token of either
+    phase, greedy or sampled: one difference suffices), else the bitwise test above shows nothing."""
+    r = runs[CONTROL]
+    assert "layers" in r and "start" in r, r["errors"]
+    assert not any(v["strict"] for v in r["layers"].values()), r["layers"]
+    differ = {}
+    for phase in ("start", "updated"):
+        for obs, (dec, rec) in r.get(phase, {}).items():
+            a, b = torch.tensor(sum(dec, [])), torch.tensor(sum(rec, []))
+            assert a.numel() == b.numel() == 16 * len(dec), f"{phase} {obs}: {a.numel()}, {b.numel()} log-probs"
+            if obs.endswith("|mixed"):
+                differ[f"{phase} {obs}"] = int((a != b).sum())
+    assert differ and any(differ.values()), (
+        f"{CONTROL}: decode equals the recompute bitwise in every mixed-batch observation ({differ}) even "
+        f"without strict mode, so the strict bitwise assertion is not shown to be discriminating")

@@ -1,10 +1,12 @@
-"""One strict CUDA vLLM engine (one process) for tests/test_gpu_vllm_strict.py; results as JSON.
+"""One CUDA vLLM engine (one process), strict or default, for tests/test_gpu_vllm_strict.py; results as JSON.
 
   python -m tests.gpu_scripts.vllm_strict --model DIR --new DIR --attention {TRITON_ATTN,FLASH_ATTN}
-         --mode {graphs,compiled} --out FILE.json
+         --mode {graphs,compiled} [--execution {strict,default}] --out FILE.json
 
-VLLM_BATCH_INVARIANT=1 is set before vLLM is imported; `LLM(DIR, quantization="nvfp4_sampler",
-hf_overrides={"quantization_config": {..., "strict": true}})` (online quantization, BF16, in-process).
+--execution strict (the default): VLLM_BATCH_INVARIANT=1, set before vLLM is imported, and
+`LLM(DIR, quantization="nvfp4_sampler", hf_overrides={"quantization_config": {..., "strict": true}})`
+(online quantization, BF16, in-process); --execution default, the test's control: VLLM_BATCH_INVARIANT=0
+and the same config without strict (the batch-dependent paths).
 Records `nvfp4_layers()` (backend and strict per layer), then for greedy and sampled decoding, batch 1
 and the mixed batch of PROMPTS (lengths 24, 40, 9, 70): the decode log-probs and the prompt log-probs
 of the same sequences recomputed in one prefill batch (`tests.vllm_helpers.decode_and_recompute`);
@@ -18,7 +20,6 @@ import os
 import time
 from pathlib import Path
 
-os.environ["VLLM_BATCH_INVARIANT"] = "1"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
@@ -47,9 +48,16 @@ def main() -> None:
     ap.add_argument("--new", required=True, help="BF16 checkpoint folder to update to (after start)")
     ap.add_argument("--attention", choices=("TRITON_ATTN", "FLASH_ATTN"), required=True)
     ap.add_argument("--mode", choices=("graphs", "compiled"), required=True)
+    ap.add_argument("--execution", choices=("strict", "default"), default="strict",
+                    help="strict: batch-invariant (strict config, VLLM_BATCH_INVARIANT=1); default: the control")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    out: dict = {"attention": args.attention, "mode": args.mode, "model": args.model, "errors": {}}
+    strict = args.execution == "strict"
+    # vLLM's attention modules read it when imported: set (either way, whatever the caller's environment
+    # says) before the first vLLM import below
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if strict else "0"
+    out: dict = {"attention": args.attention, "mode": args.mode, "execution": args.execution,
+                 "model": args.model, "errors": {}}
     save, step = recorder(args.out, out)
 
     from safetensors.torch import load_file, save_file
@@ -59,7 +67,7 @@ def main() -> None:
 
     t0 = time.time()
     llm = LLM(args.model, quantization="nvfp4_sampler", dtype="bfloat16", skip_tokenizer_init=True,
-              hf_overrides={"quantization_config": SamplerConfig(strict=True).to_dict()}, max_model_len=512,
+              hf_overrides={"quantization_config": SamplerConfig(strict=strict).to_dict()}, max_model_len=512,
               gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30, attention_backend=args.attention, seed=0,
               enable_prefix_caching=False, worker_extension_cls=EXTENSION, **MODES[args.mode])
     out["start_seconds"] = round(time.time() - t0, 1)
