@@ -34,6 +34,7 @@ L2_ROTATE_BYTES = 256 << 20
 LINEAR_SHAPES = {          # name: (N, K)
     "30B-A3B qkv": (5120, 2048), "30B-A3B o": (2048, 4096),
     "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (24576, 4096), "8B down": (4096, 12288),
+    "1.7B qkv": (4096, 2048), "1.7B o": (2048, 2048), "1.7B gate_up": (12288, 2048), "1.7B down": (2048, 6144),
 }
 MOE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 LAYERS_30B = 48
@@ -46,8 +47,9 @@ GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_b=4), dict
               dict(num_warps=8), dict(min_programs=264), dict(min_programs=1056)]
 MMA_BENCH_MAX_M = 64      # the mma kernel is measured up to here (the default path takes it to cuda_mma.MMA_MAX_M)
 MMA_RW_SWEEP = (2, 4, 8, 16)
-MMA_STAGES_SWEEP = (2, 3, 4)
-MMA_CPS_SWEEP = (4, 8, 16)
+MMA_STAGES_SWEEP = (2, 3, 4, 8)
+MMA_CPS_SWEEP = (2, 4, 8, 16)
+ACT_WARPS_SWEEP = (2, 4, 8, 16)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -198,17 +200,21 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 w_t = [cuda_mma.tile_weight(w) for w in w_q]
                 row["mma_tiled_kernel_ms"] = graph_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
-                del w_t
+                row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
+                    lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
                                                                     for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
-                if m in (4, 16, 64):                      # the weight pipeline's depth (`cuda_mma.STAGES`)
-                    row["mma_stages_ms"] = {st: graph_ms(lambda st=st: [cuda_mma.launch(xq.values, xq.global_scale, w, out,
-                                                                                        stages=st) for w in w_q]) / len(w_q)
-                                            for st in MMA_STAGES_SWEEP}
-                    row["mma_cps_ms"] = {c: graph_ms(lambda c=c: [cuda_mma.launch(xq.values, xq.global_scale, w, out,
-                                                                                  cps=c) for w in w_q]) / len(w_q)
-                                         for c in MMA_CPS_SWEEP if c <= k // cuda_mma.CHUNK}
+                if m in (1, 16):                          # pipeline depth x split-K slice, tiled weights
+                    nt, rw = cuda_mma.tiles(m)
+                    row["mma_stages_cps_ms"] = {f"{st},{c}": graph_ms(lambda st=st, c=c: [
+                        cuda_mma.launch(xq.values, xq.global_scale, w, out, stages=st, cps=c) for w in w_t]) / len(w_t)
+                        for st in MMA_STAGES_SWEEP for c in MMA_CPS_SWEEP
+                        if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(nt, c, rw, st) <= cuda_mma._SMEM_LIMIT}
+                del w_t
+                if m in (1, 16):                          # the exact quantizer's warps per row at decode sizes
+                    row["act_quant_warps_ms"] = {nw: graph_ms(lambda nw=nw: triton_quant.quantize_per_token_exact(
+                        x, dtype=torch.float16, config=dict(triton_quant.ACT_CONFIG, num_warps=nw))) for nw in ACT_WARPS_SWEEP}
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -325,15 +331,16 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
               f" {peer}  {sw}")
     for r in by("linear"):
         if "mma_kernel_ms" in r:
-            print(f"  mma  {r['shape']:13s} M={r['m']:2d}: kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
+            print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
+                  f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
                   + ("; by warps per CTA " + ", ".join(f"{rw}: {ms * 1e3:.1f}" for rw, ms in r["mma_rw_ms"].items())
                      if "mma_rw_ms" in r else "")
-                  + ("; by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_stages_ms"].items())
-                     if "mma_stages_ms" in r else "")
-                  + ("; by chunks per split " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_cps_ms"].items())
-                     if "mma_cps_ms" in r else ""))
+                  + ("; tiled by stages,cps " + ", ".join(f"{sc}: {ms * 1e3:.1f}" for sc, ms in r["mma_stages_cps_ms"].items())
+                     if "mma_stages_cps_ms" in r else "")
+                  + ("; quantizer by warps " + ", ".join(f"{nw}: {ms * 1e3:.1f}" for nw, ms in r["act_quant_warps_ms"].items())
+                     if "act_quant_warps_ms" in r else ""))
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "
@@ -360,9 +367,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="bench_kernels.json", help="where to write the records")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--only", default="act,weight,moe,linear", help="comma-separated sections (copy always runs)")
-    p.add_argument("--shapes", default=",".join(LINEAR_SHAPES), help="comma-separated linear shapes")
+    p.add_argument("--shapes", default=",".join(LINEAR_SHAPES),
+                   help="comma-separated linear shapes (spaces in names may be written as _)")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweeps and the eager reference")
     args = p.parse_args(argv)
+    shapes = [{k.replace(" ", "_"): k for k in LINEAR_SHAPES}.get(sh, sh) for sh in args.shapes.split(",")]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -382,7 +391,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     peak = bench_copy(log)
     sections = {"act": lambda: bench_act_quant(log, peak, args.quick), "weight": lambda: bench_weight_conversion(log, peak),
-                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, peak, args.quick, args.shapes.split(","), not args.no_sweep)}
+                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, peak, args.quick, shapes, not args.no_sweep)}
     for name, run in sections.items():
         if name not in only:
             continue

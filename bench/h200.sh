@@ -35,6 +35,8 @@ step() {   # step NAME: its timeout (s) and command
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
+    bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
+                              $OUT/bench_linear_small.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down,8B_gate_up" ;;
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
     updates)   limit=240; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
     strict)    limit=300; cmd="python3 -m pytest -q -s -rA -m gpu tests/test_gpu_vllm_strict.py" ;;
@@ -53,8 +55,8 @@ step() {   # step NAME: its timeout (s) and command
                               -k w4a16_mma --section SpeedOfLight --section Occupancy --section LaunchStats
                               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis
                               python3 bench/profile_mma.py --m 1,16,64" ;;
-    bench_sync_planned_12) limit=300; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
-                              --out $OUT/bench_sync_planned_12.json" ;;
+    bench_sync_planned_12) limit=400; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
+                              --bucket-mib 512,2048 --out $OUT/bench_sync_planned_12.json" ;;
     bench_sync_planned_24) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile
                               --out $OUT/bench_sync_planned_24.json" ;;
     bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile

@@ -276,6 +276,7 @@ def _weight_quant_kernel(
 # Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
 # elements per program, warps, persistent pipelining depth (0 = off).
 ACT_CONFIG = dict(elements=4096, num_warps=4, persist_stages=0)
+DECODE_M = 64            # up to this many rows a launch is a decode step's (more warps per row)
 WEIGHT_CONFIG = dict(block_kb=16, num_warps=4, persist_stages=0)
 _PROGRAMS_PER_SM = 4
 
@@ -327,12 +328,15 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
     gs = torch.empty((m if amax is None or per_row_amax else 1,), dtype=torch.float32, device=dev)
     out_deq = torch.empty((m, k), dtype=deq_dtype, device=dev) if deq else None
     n_tiles = triton.cdiv(m, rows)
+    warps = max(cfg["num_warps"], nb_pad * BLOCK // 1024)                       # long rows: more warps
+    if m <= DECODE_M:           # a few programs, latency-bound: <= 8 elements a thread (H200: K = 2048 3.2 -> 2.6 us)
+        warps = max(warps, rows * nb_pad * BLOCK // 256)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
             x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], TE=op_order == "te",
-            PDL=PDL, num_warps=min(16, max(cfg["num_warps"], nb_pad * BLOCK // 1024)))   # long rows: more warps
+            PDL=PDL, num_warps=min(16, warps))
     return out_codes, scales, gs, out_deq
 
 
@@ -361,16 +365,16 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
 
 
 def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
-                             dtype: torch.dtype = torch.bfloat16) -> ExactRows:
+                             dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> ExactRows:
     """Per-token quantization of x [M, K] written as exact values e2m1(q)*s in `dtype` (bf16 for the
     large-M cuBLAS path, fp16 for `cuda_mma`) plus S_dec [M]: a tensor-core GEMM over them computes
-    the exact block products. amax, op_order: as in `quantize_per_token`."""
+    the exact block products. amax, op_order, config: as in `quantize_per_token`."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
-    _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
+    _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True, config=config,
                                 per_row_amax=True, op_order=op_order, deq_dtype=dtype)
     return ExactRows(deq, gs)
 
