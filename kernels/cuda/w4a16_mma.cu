@@ -249,7 +249,15 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     }
   }
 
-  // 3. split-K: partial planes, the last CTA of the tile adds them in plane order
+  // 3. split-K: partial planes, the last CTA of the tile adds them in plane order. The epilogue's scales
+  //    are loaded first, so their latency hides behind the stores, the fence and the ticket.
+  float sa[NT][2], sw[2];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < M ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
   if (S > 1) {
     if (rows_ok) {
 #pragma unroll
@@ -271,16 +279,21 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     if (!last) return;
     __threadfence();
     if (rows_ok) {
+      // every element's planes are added in plane order from 0.f (the bits do not depend on the
+      // schedule); the plane loop outside and unrolled keeps the loads of 4 planes x NT x 4 elements in flight
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-          float sum = 0.f;
-          if (m < M)
-            for (int s = 0; s < S; ++s) sum = __fadd_rn(sum, __ldcg(partials + ((size_t)s * M + m) * N + n));
-          acc[j][v] = sum;
-        }
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+#pragma unroll 4
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
+            if (m < M) acc[j][v] = __fadd_rn(acc[j][v], __ldcg(partials + ((size_t)s * M + m) * N + n));
+          }
     }
   }
 
@@ -293,7 +306,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
       if (m < M) {
         // __fmul_rn / __fadd_rn: never contracted into an FMA (the reference rounds each step)
-        float r = __fmul_rn(__fmul_rn(__fmul_rn(acc[j][v], 16384.f), x_gs[m]), w_gs[(size_t)n * w_gs_stride]);
+        float r = __fmul_rn(__fmul_rn(__fmul_rn(acc[j][v], 16384.f), sa[j][v & 1]), sw[v >> 1]);
         if (bias) r = __fadd_rn(r, out_to_f32(bias[n]));
         out[(size_t)m * N + n] = f32_to_out(r);
       }
