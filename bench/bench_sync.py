@@ -19,7 +19,8 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
         pack step; double-buffered: the next bucket converts while the previous one is sent), sent as
         handle + index (`SamplerClient.send_bucket`), committed as fused entries (`commit.apply_fused`).
         Sub-steps: plan, convert (host time enqueueing the fills), wait (the send thread waiting for a
-        bucket's kernels), send (sidecar copy + its one validation per bucket + answer), buffer_wait,
+        bucket's kernels), send (the request: handle, sidecar copy + its one validation + answer), sidecar
+        (seconds inside the sidecar's bucket handler, from its /metrics), buffer_wait,
         transfer (wall of all buckets), commit; counted: entries, buckets, host syncs and (with
         --profile) the trainer's CUDA kernels (launches, GPU time, the largest). Its sidecar's embedded engine runs on
         --device and serves a pre-quantized checkpoint of the same shapes (placeholder NVFP4 values,
@@ -241,6 +242,7 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
         st = client.begin(version, bucket_bytes=None, plan_id=sender.plan.plan_id)
     t_plan = time.perf_counter() - t0
     syncs = sender.host_syncs
+    sidecar_s = sidecar_bucket_seconds(client)
     times: dict[str, float] = {}
     t1 = time.perf_counter()
     st = sender.push(client, st.update_id, held["send"], times=times)
@@ -249,10 +251,20 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
         raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
     res = client.commit(st.update_id)
     t3 = time.perf_counter()
-    return {"payload": res.bytes, "plan": t_plan, **times, "transfer": t2 - t1, "commit": t3 - t2,
+    return {"payload": res.bytes, "plan": t_plan, **times, "sidecar": sidecar_bucket_seconds(client) - sidecar_s,
+            "transfer": t2 - t1, "commit": t3 - t2,
             "engine_apply": res.apply_seconds, "total": t3 - t0, "entries": len(sender.plan.entries),
             "buckets": len(sender.plan.buckets), "trainer_host_syncs": sender.host_syncs - syncs,
             "sidecar_host_syncs": len(sender.plan.buckets) + 1}
+
+
+def sidecar_bucket_seconds(client: SamplerClient) -> float:
+    """Seconds the sidecar has spent in its IPC bucket handler so far (its /metrics histogram's sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.metrics()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "nvfp4_sampler_ipc_bucket_seconds_sum")
 
 
 def profile_kernels(fn, device: str) -> dict | None:
@@ -276,7 +288,7 @@ def profile_kernels(fn, device: str) -> dict | None:
             "top": [(n, c, round(t, 4)) for n, (c, t) in top]}
 
 
-SUBSTEPS = ("plan", "convert", "wait", "send", "buffer_wait", "transfer", "commit", "engine_apply", "total")
+SUBSTEPS = ("plan", "convert", "wait", "send", "sidecar", "buffer_wait", "transfer", "commit", "engine_apply", "total")
 
 
 def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:
@@ -297,47 +309,55 @@ def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:
 
 def run_planned(args, results: dict) -> None:
     """The planned mode: its own sidecar (embedded engine on --device) serving a pre-quantized
-    folder written first, then the trainer state, then `--repeats` planned updates."""
+    folder written first, then the trainer state, then per bucket size (--bucket-mib) a first update
+    (plan built) and `--repeats` planned updates."""
     from nvfp4_sampler.server.plan import TransferPlan
 
-    t0 = time.perf_counter()
-    plan = TransferPlan.build(nvfp4_manifest(CFG), bucket_bytes=args.bucket_bytes)
-    counts = plan_counts(plan) | {"plan_build_s": time.perf_counter() - t0}
+    sizes = [int(mib) << 20 for mib in args.bucket_mib.split(",")]
+    counts = {}
+    for size in sizes:
+        t0 = time.perf_counter()
+        plan = TransferPlan.build(nvfp4_manifest(CFG), bucket_bytes=size)
+        counts[size >> 20] = plan_counts(plan) | {"plan_build_s": time.perf_counter() - t0}
+        print(f"plan, {size >> 20} MiB buckets: {counts[size >> 20]}", flush=True)
     results["planned-counts"] = counts
-    print(f"plan: {counts}", flush=True)
     env = {"NVFP4_SAMPLER_DEVICE": args.device} if args.device.startswith("cuda") else {}
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-sync-planned-") as tmp, contextlib.ExitStack() as stack:
         folder = write_nvfp4_folder(CFG, Path(tmp) / "model")
         srv = stack.enter_context(sidecar(folder, engine="embedded", env=env, log=Path(tmp) / "sidecar.log"))
         client = stack.enter_context(SamplerClient(srv.url, timeout=3600))
         (folder / "model.safetensors").unlink()             # the engine holds it now; free the disk
         state = model_tensors(CFG, args.device)
-        held: dict = {}
-        runs = []
-        for i in range(args.repeats + 1):                   # the first run builds the plan and warms up
-            r = push_planned(client, state, bucket_bytes=args.bucket_bytes, device=args.device,
-                             buffers=args.buffers, held=held)
-            runs.append(r)
-            print(f"planned run {i}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                    for k, v in r.items()), flush=True)
-        if args.profile:
-            results["planned-kernels"] = profile_kernels(
-                lambda: push_planned(client, state, bucket_bytes=args.bucket_bytes, device=args.device,
-                                     buffers=args.buffers, held=held), args.device)
+        for size in sizes:
+            held: dict = {}                                 # a new plan, sender and send buffers per size
+            runs = []
+            for i in range(args.repeats + 1):               # the first run builds the plan and warms up
+                r = push_planned(client, state, bucket_bytes=size, device=args.device, buffers=args.buffers, held=held)
+                runs.append(r)
+                print(f"planned {size >> 20} MiB run {i}: " + ", ".join(
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
+            if args.profile and "planned-kernels" not in results:
+                results["planned-kernels"] = profile_kernels(
+                    lambda: push_planned(client, state, bucket_bytes=size, device=args.device,
+                                         buffers=args.buffers, held=held), args.device)
+            rows[f"{size >> 20} MiB first (plan built)"] = runs[0]
+            rows[f"{size >> 20} MiB steady (median)"] = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[1]} \
+                if len(runs) > 1 else runs[0]
+            del held
         del state
-    rows = {"planned first (plan built)": runs[0]}
-    rows["planned steady (median)"] = {k: statistics.median(r[k] for r in runs[1:]) for k in runs[1]} \
-        if len(runs) > 1 else runs[0]
     results["planned"] = rows
     print(f"\nplanned NVFP4, {args.layers} of 48 layers ({args.experts} experts), {args.buffers} send buffers of "
-          f"{args.bucket_bytes >> 20} MiB; host syncs: trainer + sidecar\n")
+          f"the bucket size; sidecar: seconds inside its bucket handler (send - sidecar: HTTP, handle, client); "
+          f"host syncs: trainer + sidecar\n")
     print(timing_table(rows, scale=FULL_LAYERS / args.layers))
     if results.get("planned-kernels") is not None:
         k = results["planned-kernels"]
         print(f"trainer CUDA kernels per update (quantize + amax + dense copies + flags): {k['launches']} launches, "
               f"{k['gpu_s']:.3f} GPU s; largest: {k['top']}")
+    entries = ", ".join(f"{c['planned_entries']} entries at {mib} MiB" for mib, c in counts.items())
     print(f"goal: whole 30B-A3B (x48) <= 0.5 s including conversion, commit <= 50 ms, <= 600 entries "
-          f"(this plan: {counts['planned_entries']} entries for {args.layers} layers)")
+          f"(these plans: {entries} for {args.layers} layers)")
 
 
 def median_runs(fn, repeats: int) -> dict[str, float]:
@@ -353,7 +373,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=2, help="pushes per path (median)")
     ap.add_argument("--paths", default="http,ipc", help="comma-separated: http, ipc, planned")
-    ap.add_argument("--bucket-bytes", type=int, default=512 << 20, help="planned: plan bucket size")
+    ap.add_argument("--bucket-mib", default="512", help="planned: plan bucket sizes in MiB, comma-separated")
     ap.add_argument("--buffers", type=int, default=2, help="planned: reused send buffers (2: double-buffered)")
     ap.add_argument("--profile", action="store_true", help="planned: count the trainer's CUDA kernel launches")
     ap.add_argument("--quick", action="store_true", help="CPU check: 1 layer, 8 experts, 1 repeat")

@@ -42,6 +42,9 @@ class Metrics:
                                    registry=r)
         self.commits = Counter("nvfp4_sampler_commits", "committed updates", registry=r)
         self.logprob_seconds = Histogram("nvfp4_sampler_logprob_seconds", "log-prob recompute latency", registry=r)
+        self.ipc_bucket_seconds = Histogram("nvfp4_sampler_ipc_bucket_seconds",
+                                            "seconds the sidecar spends on one IPC bucket (open, copy, validate, status)",
+                                            registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.queue_depth = Gauge("nvfp4_sampler_queue_depth", "requests waiting for the engine", registry=r)
 
 
@@ -148,7 +151,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
             raise UpdateError("IPC buckets are accepted from this host only (loopback)", status=403)
         rx = updates.receiver(update_id)
         try:
-            return await asyncio.to_thread(updates.stage_ipc, rx, bucket)
+            with metrics.ipc_bucket_seconds.time():
+                return await asyncio.to_thread(updates.stage_ipc, rx, bucket)
         finally:
             updates.body_done(rx)
 

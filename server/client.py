@@ -159,6 +159,10 @@ class SamplerClient:
         r = self._call("POST", f"/v1/weights/updates/{update_id}/ipc", json=req.model_dump())
         return UpdateStatus.model_validate(r.json())
 
+    def metrics(self) -> str:
+        """The sidecar's Prometheus metrics (text exposition format)."""
+        return self._call("GET", "/metrics").text
+
     def commit(self, update_id: str) -> CommitResult:
         return CommitResult.model_validate(self._call("POST", f"/v1/weights/updates/{update_id}/commit").json())
 
