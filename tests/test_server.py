@@ -474,15 +474,23 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     with pytest.raises(SidecarError, match=f"{scale}: NaN") as e:
         client.send_bucket(st.update_id, k, plan.pack(k, bad, flat))
     assert e.value.status == 422 and client.status(st.update_id).received == 0
+    handled = _bucket_count(client)
     for i in range(len(plan.buckets)):
         st = client.send_bucket(st.update_id, i, plan.pack(i, b, flat))
     assert st.missing == [] and st.received == len(entries)
+    assert _bucket_count(client) == handled + len(plan.buckets)          # /metrics times every bucket
     assert client.commit(st.update_id).weight_version == v + 1
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
     st = client.begin(v + 2, plan_id=plan.plan_id)                       # the plan is reused: only its id travels
     assert st.plan_id == plan.plan_id and len(st.missing) == len(entries)
     client.abort(st.update_id)
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def _bucket_count(client) -> float:
+    """IPC buckets the sidecar has handled (its nvfp4_sampler_ipc_bucket_seconds histogram)."""
+    line = next(x for x in client.metrics().splitlines() if x.startswith("nvfp4_sampler_ipc_bucket_seconds_count"))
+    return float(line.split()[-1])
 
 
 def test_planned_update_takes_a_host_buffer_only_when_a_host_bucket_arrives(models):
