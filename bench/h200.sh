@@ -35,6 +35,8 @@ step() {   # step NAME: its timeout (s) and command
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
+    compiled_gap) limit=420; cmd="python3 bench/compiled_gap.py --out $OUT/compiled_gap.json" ;;
+    bench_e2e_8b_full) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --out $OUT/bench_vllm_e2e_8b_full.json" ;;
     bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
                               $OUT/bench_linear_small.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down,8B_gate_up" ;;
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
