@@ -1,6 +1,6 @@
 """One real CUDA vLLM engine (one process) for tests/test_gpu_vllm.py; results as JSON.
 
-  python -m tests.gpu_scripts.vllm_engine --model DIR --mode MODE --out FILE.json   (MODE: a key of MODES)
+  python -m tests.gpu_scripts.vllm_engine --model DIR --mode {eager,graphs,compiled,compiled_custom_ops} --out FILE.json
          [--new DIR --old DIR] [--quant {nvfp4_sampler,bf16}]
 
 Starts `LLM(DIR, quantization="nvfp4_sampler")` (online quantization of a BF16 checkpoint) in the given
@@ -39,17 +39,6 @@ MODES = {
     # the default mode with vLLM's CUDA kernels for RMSNorm, SiLU-and-mul, rotary (as in eager) instead of
     # inductor-generated ones: the same kernels run as in eager around our custom ops
     "compiled_custom_ops": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES, "custom_ops": ["all"]}),
-    # bench/compiled_gap.py's candidates for a compiled mode with eager's numbers: inductor rounding every
-    # fused intermediate to its storage dtype as eager does; the same plus vLLM's CUDA ops and no fusion
-    # passes; dynamo's graphs run by the eager backend (piecewise CUDA graphs, no inductor code)
-    "compiled_emulate_casts": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES,
-                                                       "inductor_compile_config": {"emulate_precision_casts": True}}),
-    "compiled_custom_ops_no_fusion": dict(compilation_config={
-        "cudagraph_capture_sizes": CAPTURE_SIZES, "custom_ops": ["all"],
-        "inductor_compile_config": {"emulate_precision_casts": True},
-        "pass_config": {"eliminate_noops": False, "fuse_norm_quant": False, "fuse_act_quant": False,
-                        "enable_qk_norm_rope_fusion": False, "fuse_act_padding": False}}),
-    "compiled_dynamo": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES, "backend": "eager"}),
 }
 PROMPTS = [[(7 * i + 3 * j) % 997 + 10 for j in range(n)] for i, n in enumerate((24, 40, 9))]
 NEW_TOKENS = 16
