@@ -8,7 +8,8 @@
 or over HTTP with `VLLM_SERVER_DEV_MODE=1`: POST /collective_rpc
 {"method": "nvfp4_apply_update", "args": [staged_path, "7"]}, then POST /reset_prefix_cache.
 Without a file: `nvfp4_apply_shared(spec, version)` takes the tensors as views of buffers the caller
-shares by handle (shared memory or CUDA IPC; `sampler_plugin.shared_buffers`), as the sidecar does.
+shares by handle (shared memory or CUDA IPC; `sampler_plugin.shared_buffers`), as the sidecar does;
+an in-process engine core takes planned entries as they are (`nvfp4_apply_fused`, `server.colocated`).
 
 The staged file is a safetensors file of checkpoint-named tensors (docs/ARCHITECTURE.md, "Weight
 updates"): BF16 `P.weight` (quantized on arrival) or NVFP4 triplets, any subset, including a single
@@ -97,6 +98,12 @@ class NVFP4SamplerWorkerExtension:
             if any(b.is_cuda for b in buffers):
                 torch.cuda.synchronize()                 # copies out of the sender's memory are done
             del buffers
+
+    def nvfp4_apply_fused(self, entries: list[commit.FusedEntry], version: int | str) -> dict:
+        """Apply planned entries whose tensors live in this process (an in-process engine core, as
+        colocated RL runs vLLM: `server.colocated`): same validation, report and all-or-nothing rule as
+        `nvfp4_apply_shared` with "fused", without handles."""
+        return self._nvfp4_apply({}, version, time.perf_counter(), fused=entries)
 
     def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float, *,
                      fused: list[commit.FusedEntry] = ()) -> dict:
