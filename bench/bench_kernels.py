@@ -50,6 +50,7 @@ MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
 ACT_WARPS_SWEEP = (2, 4, 8, 16)
+LINEAR_STAGES_SWEEP = (3, 5, 8)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -211,6 +212,13 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         cuda_mma.launch(xq.values, xq.global_scale, w, out, stages=st, cps=c) for w in w_t]) / len(w_t)
                         for st in MMA_STAGES_SWEEP for c in MMA_CPS_SWEEP
                         if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(nt, c, rw, st) <= cuda_mma._SMEM_LIMIT}
+                if m in (1, 16):                          # quantizer + kernel (PDL) by stages: the weight chunks a
+                    def chain(st):                        # warp has in flight while the quantizer still runs
+                        for w in w_t:
+                            q = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+                            cuda_mma.launch(q.values, q.global_scale, w, out, stages=st)
+                    row["mma_tiled_linear_stages_ms"] = {st: graph_ms(lambda st=st: chain(st)) / len(w_t)
+                                                         for st in LINEAR_STAGES_SWEEP}
                 del w_t
                 if m in (1, 16):                          # the exact quantizer's warps per row at decode sizes
                     row["act_quant_warps_ms"] = {nw: graph_ms(lambda nw=nw: triton_quant.quantize_per_token_exact(
@@ -339,6 +347,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                      if "mma_rw_ms" in r else "")
                   + ("; tiled by stages,cps " + ", ".join(f"{sc}: {ms * 1e3:.1f}" for sc, ms in r["mma_stages_cps_ms"].items())
                      if "mma_stages_cps_ms" in r else "")
+                  + ("; linear by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_tiled_linear_stages_ms"].items())
+                     if "mma_tiled_linear_stages_ms" in r else "")
                   + ("; quantizer by warps " + ", ".join(f"{nw}: {ms * 1e3:.1f}" for nw, ms in r["act_quant_warps_ms"].items())
                      if "act_quant_warps_ms" in r else ""))
     for r in by("linear"):
