@@ -121,24 +121,39 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ float f16_to_f32(u16 v) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float v) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+// A value of the output dtype (FUSED: also the input's) to FP32 and back, rounded once.
 __device__ __forceinline__ float out_to_f32(u16 v) {
 #if OUT_BF16
   return __uint_as_float(((u32)v) << 16);
 #else
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v));
-  return r;
+  return f16_to_f32(v);
 #endif
 }
 
 __device__ __forceinline__ u16 f32_to_out(float v) {
-  u16 r;
 #if OUT_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return f32_to_bf16(v);
 #else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return f32_to_f16(v);
 #endif
-  return r;
 }
 
 // Where thread (g, t)'s 16 code bytes (and 2 scale bytes) of row g + 8 * half, chunk c live, in units of
@@ -153,15 +168,8 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
 }
 
 #if FUSED
-__device__ __forceinline__ float in_to_f32(u32 v, int hi) {   // element hi (0, 1) of a pair of the input dtype
-  const u16 h = (u16)(hi ? v >> 16 : v & 0xFFFF);
-#if OUT_BF16
-  return __uint_as_float(((u32)h) << 16);
-#else
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
-  return r;
-#endif
+__device__ __forceinline__ float in_to_f32(u32 pair, int hi) {    // element hi (0, 1) of a pair of inputs
+  return out_to_f32((u16)(pair >> (16 * hi)));
 }
 
 __device__ __forceinline__ float absmax8(uint4 v) {          // max |x| of 8 input elements
@@ -178,10 +186,7 @@ __device__ __forceinline__ float e4m3_rne(float x) {
   const int normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3);
   const int sub = (int)__fadd_rn(__fadd_rn(__fmul_rn(x, 512.f), 12582912.f), -12582912.f);
   const u32 code = (u32)(x < 0.015625f ? sub : normal) & 0xFF;
-  float r;
-  asm("{ .reg .b16 lo, hi; .reg .b32 h2; cvt.rn.f16x2.e4m3x2 h2, %1; mov.b32 {lo, hi}, h2; cvt.f32.f16 %0, lo; }"
-      : "=f"(r) : "h"((u16)code));
-  return r;
+  return f16_to_f32((u16)e4m3x2_to_f16x2((u16)code));
 }
 
 // S_enc of a token from its amax (`triton_quant._s_enc_from_amax`, the spec's order: 1/amax, then x 2688)
@@ -209,7 +214,7 @@ __device__ __forceinline__ void quantize_token_block(const float (&x)[16], float
       const int code = (int)__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(a, step), 12582912.f), -12582912.f), off);
       const float mag = code < 4 ? 0.5f * code : (float)(2 << ((code - 4) >> 1)) * ((code & 1) ? 1.5f : 1.f);
       const float q = __fmul_rn(__float_as_int(v) < 0 ? -mag : mag, s);
-      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(e[j]) : "f"(q));
+      e[j] = f32_to_f16(q);
     }
     h[i >> 1] = e[0] | ((u32)e[1] << 16);
   }
@@ -450,11 +455,9 @@ w4_dequant(const uint4* __restrict__ w_codes, const u16* __restrict__ w_scales, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const u32 v = p[i];
-      float lo, hi;
-      asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((u16)(v & 0xFFFF)));
-      asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((u16)(v >> 16)));
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(e[3 - i]) : "f"(__fmul_rn(lo, 16384.f)));
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(e[7 - i]) : "f"(__fmul_rn(hi, 16384.f)));
+      const float lo = f16_to_f32((u16)(v & 0xFFFF)), hi = f16_to_f32((u16)(v >> 16));
+      e[3 - i] = f32_to_bf16(__fmul_rn(lo, 16384.f));
+      e[7 - i] = f32_to_bf16(__fmul_rn(hi, 16384.f));
     }
     dst[wd] = make_uint4(e[0] | ((u32)e[1] << 16), e[2] | ((u32)e[3] << 16), e[4] | ((u32)e[5] << 16),
                          e[6] | ((u32)e[7] << 16));
