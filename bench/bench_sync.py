@@ -222,20 +222,16 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
     the manifest, the sender's jobs and `buffers` send buffers; later: begin with the held plan_id),
     every bucket quantized straight into a send buffer and sent while the next one converts, commit.
     Returns seconds per sub-step and counts."""
-    from nvfp4_sampler.server.plan import TransferPlan
     from nvfp4_sampler.server.planned import PlannedSender
 
     held = held if held is not None else {}
     t0 = time.perf_counter()
     version = client.version().weight_version + 1
     if "sender" not in held:
-        pp = push_pipeline.plan(state, layout="nvfp4", config=CFG)
-        manifest = list(pp.entries.values())
-        plan = TransferPlan.build(manifest, bucket_bytes=bucket_bytes)
-        st = client.begin(version, manifest, bucket_bytes=bucket_bytes)
-        if st.plan_id != plan.plan_id:
-            raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {plan.plan_id}")
-        sender = PlannedSender(plan, state, pp.options, config=CFG)
+        sender = PlannedSender.of(state, config=CFG, bucket_bytes=bucket_bytes)
+        st = client.begin(version, list(sender.plan.manifest), bucket_bytes=bucket_bytes)
+        if st.plan_id != sender.plan.plan_id:
+            raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {sender.plan.plan_id}")
         held.update(sender=sender, send=sender.new_buffers(device, buffers))
     else:
         sender = held["sender"]

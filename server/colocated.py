@@ -23,7 +23,6 @@ import torch
 from nvfp4_sampler.sampler_format import Recipe
 
 from . import push
-from .plan import TransferPlan
 from .planned import InvalidSource, PlannedSender
 
 
@@ -39,9 +38,8 @@ class ColocatedRefit:
             raise ValueError("ColocatedRefit needs vLLM's engine core in this process: start the LLM with "
                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 (as colocated RL runs it), or push through the sidecar")
         self.llm = llm
-        pp = push.plan(tensors, layout="nvfp4", config=config, recipe=recipe, bucket_bytes=bucket_bytes)
-        self.plan = TransferPlan.build(list(pp.entries.values()), bucket_bytes=bucket_bytes)
-        self.sender = PlannedSender(self.plan, tensors, pp.options, config=config)
+        self.sender = PlannedSender.of(tensors, config=config, recipe=recipe, bucket_bytes=bucket_bytes)
+        self.plan = self.sender.plan
         devices = {t.device for t in tensors.values()}
         if len(devices) != 1:
             raise ValueError(f"trainer tensors on several devices {sorted(map(str, devices))}: one device expected")

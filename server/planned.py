@@ -1,6 +1,6 @@
 """The trainer side of a planned update: every bucket quantized straight into a reusable send buffer.
 
-    sender = PlannedSender(plan, state, options, config=cfg)   # once per run (options: push.plan's)
+    sender = PlannedSender.of(state, config=cfg)     # once per run: plan (sender.plan) and jobs
     st = sender.push(client, update_id, buffers)     # fill + send every bucket, double-buffered
 
 `PlannedSender` maps each entry of a `TransferPlan` to the trainer's source tensors once (through
@@ -33,6 +33,7 @@ from nvfp4_sampler.sampler_format import fused_group
 
 from nvfp4_sampler.converters.convert import ConvertOptions
 
+from . import push as push_pipeline
 from .client import SidecarError
 from .plan import TransferPlan
 from .protocol import UpdateStatus
@@ -101,6 +102,16 @@ class PlannedSender:
         self.flags = torch.zeros(len(plan.buckets), dtype=torch.bool,
                                  pin_memory=torch.cuda.is_available())
         self.host_syncs = 0
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], *, config: dict,
+           bucket_bytes: int = push_pipeline.DEFAULT_BUCKET_BYTES, **options) -> PlannedSender:
+        """The sender of `tensors` under a plan built from them: `push.plan`'s NVFP4 manifest (options:
+        its recipe, shared_group_scale, device) in buckets of at most `bucket_bytes`. `sender.plan.manifest`
+        is what `SamplerClient.begin(..., bucket_bytes=)` takes."""
+        pp = push_pipeline.plan(tensors, layout="nvfp4", config=config, **options)
+        plan = TransferPlan.build(list(pp.entries.values()), bucket_bytes=bucket_bytes)
+        return cls(plan, tensors, pp.options, config=config)
 
     def _jobs(self, name: str, value: torch.Tensor, maps: list[name_map.Mapped], where) -> list[Job]:
         """The jobs of one source tensor: one when it fills its entry row for row, else one per member."""

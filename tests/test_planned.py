@@ -10,7 +10,6 @@ from bench.bench_sync import model_tensors
 from nvfp4_sampler.converters.convert import iter_buckets
 from nvfp4_sampler.sampler_format import Recipe
 from nvfp4_sampler.server import push
-from nvfp4_sampler.server.plan import TransferPlan
 from nvfp4_sampler.server.planned import InvalidSource, PlannedSender
 from nvfp4_sampler.testing import manifests
 
@@ -19,9 +18,7 @@ CFG = {**manifests.QWEN3_30B_A3B, "hidden_size": 64, "num_attention_heads": 4, "
 
 
 def _sender(state, *, bucket_bytes=40_000, **kw) -> tuple[PlannedSender, push.Plan]:
-    pp = push.plan(state, layout="nvfp4", config=CFG, **kw)
-    plan = TransferPlan.build(list(pp.entries.values()), bucket_bytes=bucket_bytes)
-    return PlannedSender(plan, state, pp.options, config=CFG), pp
+    return PlannedSender.of(state, config=CFG, bucket_bytes=bucket_bytes, **kw), push.plan(state, config=CFG, **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"recipe": Recipe(weight="2d", op_order="te"), "shared_group_scale": True}],
