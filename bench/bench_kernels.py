@@ -49,7 +49,6 @@ MMA_BENCH_MAX_M = 64      # the mma kernel is measured up to here (the default p
 MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
-ACT_WARPS_SWEEP = (2, 4, 8, 16)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
@@ -222,9 +221,6 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     row["mma_tiled_linear_stages_ms"] = {st: graph_ms(lambda st=st: chain(st)) / len(w_t)
                                                          for st in LINEAR_STAGES_SWEEP}
                 del w_t
-                if m in (1, 16):                          # the exact quantizer's warps per row at decode sizes
-                    row["act_quant_warps_ms"] = {nw: graph_ms(lambda nw=nw: triton_quant.quantize_per_token_exact(
-                        x, dtype=torch.float16, config=dict(triton_quant.ACT_CONFIG, num_warps=nw))) for nw in ACT_WARPS_SWEEP}
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -352,9 +348,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   + ("; tiled by stages,cps " + ", ".join(f"{sc}: {ms * 1e3:.1f}" for sc, ms in r["mma_stages_cps_ms"].items())
                      if "mma_stages_cps_ms" in r else "")
                   + ("; linear by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_tiled_linear_stages_ms"].items())
-                     if "mma_tiled_linear_stages_ms" in r else "")
-                  + ("; quantizer by warps " + ", ".join(f"{nw}: {ms * 1e3:.1f}" for nw, ms in r["act_quant_warps_ms"].items())
-                     if "act_quant_warps_ms" in r else ""))
+                     if "mma_tiled_linear_stages_ms" in r else ""))
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "

@@ -365,16 +365,16 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
 
 
 def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
-                             dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> ExactRows:
+                             dtype: torch.dtype = torch.bfloat16) -> ExactRows:
     """Per-token quantization of x [M, K] written as exact values e2m1(q)*s in `dtype` (bf16 for the
     large-M cuBLAS path, fp16 for `cuda_mma`) plus S_dec [M]: a tensor-core GEMM over them computes
-    the exact block products. amax, op_order, config: as in `quantize_per_token`."""
+    the exact block products. amax, op_order: as in `quantize_per_token`."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
     x2 = _check_rows(x, "x")
-    _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True, config=config,
+    _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
                                 per_row_amax=True, op_order=op_order, deq_dtype=dtype)
     return ExactRows(deq, gs)
 
