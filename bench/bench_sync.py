@@ -18,9 +18,11 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
         into one of two reused send buffers on the device (one launch per fused expert tensor, no
         pack step; double-buffered: the next bucket converts while the previous one is sent), sent as
         handle + index (`SamplerClient.send_bucket`), committed as fused entries (`commit.apply_fused`).
-        Sub-steps: plan, convert (host time enqueueing the fills), wait (the send thread waiting for a
-        bucket's kernels), send (the request: handle, sidecar copy + its one validation + answer), sidecar
-        (seconds inside the sidecar's bucket handler, from its /metrics), buffer_wait,
+        Sub-steps: plan (version + begin), version (its first request), convert (host time enqueueing
+        the fills), wait (the send thread waiting for a bucket's kernels), send (the request: handle,
+        sidecar copy + its one validation + answer), sidecar (seconds inside the sidecar's bucket
+        handler, from its /metrics, and by step: queue for a worker thread, open the buffer, copy +
+        validation to the host sync, status), buffer_wait,
         transfer (wall of all buckets), commit; counted: entries, buckets, host syncs and (with
         --profile) the trainer's CUDA kernels (launches, GPU time, the largest). Its sidecar's embedded engine runs on
         --device and serves a pre-quantized checkpoint of the same shapes (placeholder NVFP4 values,
@@ -227,6 +229,7 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
     held = held if held is not None else {}
     t0 = time.perf_counter()
     version = client.version().weight_version + 1
+    t_version = time.perf_counter() - t0
     if "sender" not in held:
         sender = PlannedSender.of(state, config=CFG, bucket_bytes=bucket_bytes)
         st = client.begin(version, list(sender.plan.manifest), bucket_bytes=bucket_bytes)
@@ -247,20 +250,27 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
         raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
     res = client.commit(st.update_id)
     t3 = time.perf_counter()
-    return {"payload": res.bytes, "plan": t_plan, **times, "sidecar": sidecar_bucket_seconds(client) - sidecar_s,
+    sidecar_s = {k: v - sidecar_s[k] for k, v in sidecar_bucket_seconds(client).items()}
+    return {"payload": res.bytes, "plan": t_plan, "version": t_version, **times, **sidecar_s,
             "transfer": t2 - t1, "commit": t3 - t2,
             "engine_apply": res.apply_seconds, "total": t3 - t0, "entries": len(sender.plan.entries),
             "buckets": len(sender.plan.buckets), "trainer_host_syncs": sender.host_syncs - syncs,
             "sidecar_host_syncs": len(sender.plan.buckets) + 1}
 
 
-def sidecar_bucket_seconds(client: SamplerClient) -> float:
-    """Seconds the sidecar has spent in its IPC bucket handler so far (its /metrics histogram's sum)."""
+def sidecar_bucket_seconds(client: SamplerClient) -> dict[str, float]:
+    """Seconds the sidecar has spent in its IPC bucket handler so far, in all ("sidecar") and by step
+    ("sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status"): its /metrics histograms' sums."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = client.metrics()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "nvfp4_sampler_ipc_bucket_seconds_sum")
+    out = {}
+    for f in text_string_to_metric_families(client.metrics()):
+        for s in f.samples:
+            if s.name == "nvfp4_sampler_ipc_bucket_seconds_sum":
+                out["sidecar"] = s.value
+            elif s.name == "nvfp4_sampler_ipc_bucket_step_seconds_sum":
+                out[f"sidecar_{s.labels['step']}"] = s.value
+    return {k: out.get(k, 0.0) for k in SIDECAR_STEPS}
 
 
 def profile_kernels(fn, device: str) -> dict | None:
@@ -284,7 +294,9 @@ def profile_kernels(fn, device: str) -> dict | None:
             "top": [(n, c, round(t, 4)) for n, (c, t) in top]}
 
 
-SUBSTEPS = ("plan", "convert", "wait", "send", "sidecar", "buffer_wait", "transfer", "commit", "engine_apply", "total")
+SIDECAR_STEPS = ("sidecar", "sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status")
+SUBSTEPS = ("plan", "version", "convert", "wait", "send", *SIDECAR_STEPS, "buffer_wait", "transfer", "commit",
+            "engine_apply", "total")
 
 
 def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:
@@ -344,7 +356,8 @@ def run_planned(args, results: dict) -> None:
         del state
     results["planned"] = rows
     print(f"\nplanned NVFP4, {args.layers} of 48 layers ({args.experts} experts), {args.buffers} send buffers of "
-          f"the bucket size; sidecar: seconds inside its bucket handler (send - sidecar: HTTP, handle, client); "
+          f"the bucket size; sidecar: seconds inside its bucket handler (send - sidecar: HTTP, handle, client), "
+          f"sidecar_*: by step; "
           f"host syncs: trainer + sidecar\n")
     print(timing_table(rows, scale=FULL_LAYERS / args.layers))
     if results.get("planned-kernels") is not None:

@@ -45,6 +45,10 @@ class Metrics:
         self.ipc_bucket_seconds = Histogram("nvfp4_sampler_ipc_bucket_seconds",
                                             "seconds the sidecar spends on one IPC bucket (open, copy, validate, status)",
                                             registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
+        self.ipc_bucket_step_seconds = Histogram(
+            "nvfp4_sampler_ipc_bucket_step_seconds", "seconds of one IPC bucket by step: queue (waiting for a "
+            "worker thread), open (the shared buffer), copy (copy + validation, to the host sync), status",
+            ["step"], registry=r, buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.queue_depth = Gauge("nvfp4_sampler_queue_depth", "requests waiting for the engine", registry=r)
 
 
@@ -150,10 +154,18 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
         if request.client is None or not is_loopback(request.client.host):
             raise UpdateError("IPC buckets are accepted from this host only (loopback)", status=403)
         rx = updates.receiver(update_id)
+        steps: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        def stage() -> UpdateStatus:
+            steps["queue"] = time.perf_counter() - t0
+            return updates.stage_ipc(rx, bucket, steps=steps)
         try:
-            with metrics.ipc_bucket_seconds.time():
-                return await asyncio.to_thread(updates.stage_ipc, rx, bucket)
+            return await asyncio.to_thread(stage)
         finally:
+            metrics.ipc_bucket_seconds.observe(time.perf_counter() - t0)
+            for step, seconds in steps.items():
+                metrics.ipc_bucket_step_seconds.labels(step).observe(seconds)
             updates.body_done(rx)
 
     @app.post("/v1/weights/updates/{update_id}/commit", response_model=CommitResult,

@@ -292,21 +292,31 @@ class UpdateManager:
             self.body_done(rx)
         return self.status(rx.update)
 
-    def stage_ipc(self, rx: BodyReceiver, bucket: IpcBucket) -> UpdateStatus:
+    def stage_ipc(self, rx: BodyReceiver, bucket: IpcBucket, *, steps: dict[str, float] | None = None) -> UpdateStatus:
         """Stage a bucket from a shared buffer (`server.ipc`) for the update `rx` holds (any thread):
         every entry is checked (manifest, bounds, NaN/Inf, global scales) before any is staged (a
         refused bucket leaves its entries missing); CPU buffers are copied into the staging slots,
-        CUDA buffers into new tensors on their device; the copies are complete on return."""
+        CUDA buffers into new tensors on their device; the copies are complete on return.
+        steps: filled with seconds per step of a planned bucket (open, copy, status)."""
         u = rx.update
+        steps = steps if steps is not None else {}
         if (bucket.bucket is not None) != (u.plan is not None):
             how = "planned: send buckets by index" if u.plan else "not planned: list the tensors of the bucket"
             raise UpdateError(f"update {u.id} is {how}", status=409)
+        t0 = time.perf_counter()
         try:
             flat = u.open_buffer(bucket.buffer) if u.plan is not None else ipc.open_buffer(bucket.buffer)
         except (RuntimeError, ValueError) as e:
             raise UpdateError(f"cannot open the shared buffer: {e}", status=422) from e
+        steps["open"] = time.perf_counter() - t0
         if u.plan is not None:
-            return self._stage_planned(u, bucket.bucket, flat)
+            t0 = time.perf_counter()
+            self._stage_planned(u, bucket.bucket, flat)
+            steps["copy"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            status = self.status(u)
+            steps["status"] = time.perf_counter() - t0
+            return status
         staged = []
         with _as_update_error():
             for item in bucket.tensors:
@@ -330,7 +340,7 @@ class UpdateManager:
             u.stage(entry, parts, n)
         return self.status(u)
 
-    def _stage_planned(self, u: Update, b: int, flat: torch.Tensor) -> UpdateStatus:
+    def _stage_planned(self, u: Update, b: int, flat: torch.Tensor) -> None:
         """Planned bucket `b`: one copy of the whole bucket (into its place in the staging buffer, or
         one new tensor on its GPU), one validation pass per value class into a device flag, one host
         synchronisation; then every member is staged as a view. A bad bucket stages nothing."""
@@ -362,7 +372,6 @@ class UpdateManager:
         staged = dict.fromkeys(members, _PLANNED)            # no per-tensor views: names only
         u.staged.update(staged)
         u.bytes_received += n
-        return self.status(u)
 
     def abort(self, update_id: str) -> UpdateStatus:
         u = self._open(update_id)

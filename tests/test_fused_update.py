@@ -200,7 +200,8 @@ def test_the_sidecar_commits_a_planned_update_as_fused_entries():
         mgr._stage_planned(u, b_bad, plan.pack(b_bad, bad, flat))
     assert mgr.status(u).received == 0
     for b in range(len(plan.buckets)):
-        st = mgr._stage_planned(u, b, plan.pack(b, t, flat))
+        mgr._stage_planned(u, b, plan.pack(b, t, flat))
+    st = mgr.status(u)
     assert st.missing == [] and st.received == len(manifest)
     res = asyncio.run(mgr.commit(st.update_id))
     assert engine.calls == [("fused", len(plan.entries))] and res.weight_version == 1

@@ -475,10 +475,13 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
         client.send_bucket(st.update_id, k, plan.pack(k, bad, flat))
     assert e.value.status == 422 and client.status(st.update_id).received == 0
     handled = _bucket_count(client)
+    steps = {s: _bucket_count(client, s) for s in ("queue", "open", "copy", "status")}
     for i in range(len(plan.buckets)):
         st = client.send_bucket(st.update_id, i, plan.pack(i, b, flat))
     assert st.missing == [] and st.received == len(entries)
     assert _bucket_count(client) == handled + len(plan.buckets)          # /metrics times every bucket
+    for s, n in steps.items():                                           # and each of its steps
+        assert _bucket_count(client, s) == n + len(plan.buckets), s
     assert client.commit(st.update_id).weight_version == v + 1
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
     st = client.begin(v + 2, plan_id=plan.plan_id)                       # the plan is reused: only its id travels
@@ -487,10 +490,12 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
 
 
-def _bucket_count(client) -> float:
-    """IPC buckets the sidecar has handled (its nvfp4_sampler_ipc_bucket_seconds histogram)."""
-    line = next(x for x in client.metrics().splitlines() if x.startswith("nvfp4_sampler_ipc_bucket_seconds_count"))
-    return float(line.split()[-1])
+def _bucket_count(client, step: str | None = None) -> float:
+    """IPC buckets the sidecar has handled (its nvfp4_sampler_ipc_bucket_seconds histogram), or, given
+    a step, timed in that step (nvfp4_sampler_ipc_bucket_step_seconds{step=...}; 0 before the first)."""
+    head = "nvfp4_sampler_ipc_bucket_seconds_count" if step is None else \
+        f'nvfp4_sampler_ipc_bucket_step_seconds_count{{step="{step}"}}'
+    return next((float(x.split()[-1]) for x in client.metrics().splitlines() if x.startswith(head)), 0.0)
 
 
 def test_planned_update_takes_a_host_buffer_only_when_a_host_bucket_arrives(models):
