@@ -48,7 +48,8 @@ class ColocatedRefit:
 
     def update(self, version: int) -> dict:
         """Quantize every bucket, check, write, drop the prefix cache. Returns the worker's report plus
-        "convert_seconds" (enqueueing the conversion), "check_seconds" (waiting for it) and "seconds".
+        "convert_seconds" (enqueueing the conversion), "check_seconds" (waiting for it), "worker_seconds"
+        (the worker's write, host time; its "steps" split it) and "seconds" (all).
         Raises InvalidSource (nothing written) when a source tensor holds NaN or Inf."""
         t0 = time.perf_counter()
         ready = [self.sender.fill(b, buf) for b, buf in enumerate(self.buffers)]
@@ -62,4 +63,5 @@ class ColocatedRefit:
         entries = [e for b, buf in enumerate(self.buffers) for e in self.plan.fused_entries(b, buf)]
         report = self.llm.collective_rpc("nvfp4_apply_fused", args=(entries, version))[0]
         self.llm.reset_prefix_cache()
-        return {**report, "convert_seconds": t1 - t0, "check_seconds": t2 - t1, "seconds": time.perf_counter() - t0}
+        return {**report, "convert_seconds": t1 - t0, "check_seconds": t2 - t1, "worker_seconds": report["seconds"],
+                "seconds": time.perf_counter() - t0}

@@ -112,20 +112,25 @@ class NVFP4SamplerWorkerExtension:
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
             raise ValueError("nvfp4_apply_update needs an engine started with quantization='nvfp4_sampler'")
         config = quant_config.sampler
+        t0 = time.perf_counter()
         targets = reload_targets(model)
+        t1 = time.perf_counter()
         with torch.no_grad():
             if fused:
                 cache = self.__dict__.setdefault("_nvfp4_fused_plans", {})     # found once per entry (commit)
                 names = commit.apply_fused(targets, fused, config=config, tensors=tensors, cache=cache)
             else:
                 names = commit.apply_update(targets, tensors, config=config)
+            t2 = time.perf_counter()
             _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names
                                            if n in targets and targets[n].param is not None})
+        t3 = time.perf_counter()
         self.nvfp4_version = int(version)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         nbytes += sum(t.numel() * t.element_size() for e in fused for t in e.tensors.values())
         report = {"version": self.nvfp4_version, "tensors": len(names), "bytes": nbytes,
-                  "seconds": time.perf_counter() - start}
+                  "seconds": t3 - start,      # host seconds by step (the writes' GPU time is not waited for)
+                  "steps": {"targets": t1 - t0, "write": t2 - t1, "refresh": t3 - t2}}
         if fused:
             report["entries"] = len(fused)
         return report
