@@ -17,10 +17,12 @@ layers weigh the common lm_head more than the full model would (the ratio is the
 --strict adds a third engine, nvfp4_sampler in strict mode (`quantization_config.strict` and
 VLLM_BATCH_INVARIANT=1: batch-invariant NVFP4 kernels plus vLLM's batch-invariant attention, norms,
 BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode, side by side with the
-default and BF16.
+default and BF16. --dynamo adds nvfp4_sampler with dynamo's graphs run by the eager backend
+(`compilation_config.backend = "eager"`: no inductor code, CUDA graphs kept; the compiled-mode
+configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost against the default mode.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--out FILE.json]
+                                    [--dynamo] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -63,6 +65,7 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
                                                                       "elementwise", "vectorized", "act_and_mul")))
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
+DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
 
 
 def _category(name: str) -> str:
@@ -80,12 +83,17 @@ def profiler_config(trace_dir: str | Path) -> dict:
 
 
 def worker(model: str, quant: str, mode: str, out: str) -> None:
-    """One engine (quant: "bf16", "nvfp4_sampler" or STRICT, nvfp4_sampler in strict mode): decode
+    """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, or DYNAMO:
+    nvfp4_sampler with `compilation_config.backend = "eager"`): decode
     tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
     category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
-    strict = {}
+    strict, engine_mode = {}, MODES[mode]
+    if quant == DYNAMO:
+        quant = "nvfp4_sampler"
+        engine_mode = {**engine_mode, "compilation_config": {**engine_mode.get("compilation_config", {}),
+                                                             "backend": "eager"}}
     if quant == STRICT:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
         from nvfp4_sampler.sampler_format import SamplerConfig
@@ -98,7 +106,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
     llm = LLM(model, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 16, max_num_seqs=max(BATCHES), gpu_memory_utilization=0.6,
               attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0,
-              profiler_config=profiler_config(trace_dir), **strict, **MODES[mode])
+              profiler_config=profiler_config(trace_dir), **strict, **engine_mode)
     result = {"start_seconds": round(time.time() - t0, 1), "vllm": vllm.__version__,
               "engine_core": "separate process", "async_scheduling": async_scheduling(llm),
               "tokens_per_s": {}, "spread": {}}
@@ -179,7 +187,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
     ap.add_argument("--shapes", help="comma-separated SHAPE:LAYERS (shapes of testing/checkpoints.py)")
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
-    ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (a third engine)")
+    ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (one more engine)")
+    ap.add_argument("--dynamo", action="store_true", help="also nvfp4_sampler on dynamo's eager backend (one more engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -191,7 +200,9 @@ def main() -> None:
 
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
-    quants = ("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ())
+    quants = ("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
+    if args.dynamo and args.mode != "compiled":
+        ap.error("--dynamo compares against the compiled mode: --mode compiled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     shapes = [(s, int(n)) for s, n in (x.split(":") for x in args.shapes.split(","))] if args.shapes else \
         QUICK if args.quick else FULL
@@ -210,7 +221,8 @@ def main() -> None:
     asyncs = sorted({str(e[q].get("async_scheduling")) for e in results["models"].values() for q in quants})
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
           f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1])) if a in quants]
+    ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1]),
+                                  (DYNAMO, quants[0]), (DYNAMO, quants[1])) if a in quants]
     print("| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
           + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"
           + "---|" * (3 + len(quants) + len(ratios)))

@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--shapes", default=",".join(f"{s}:{n}" for s, n in SHAPES), help="SHAPE:LAYERS,...")
     args = ap.parse_args()
     import torch
 
@@ -54,7 +55,8 @@ def main() -> int:
     out_root = Path(args.out)
     rows, failed = {}, False
     with tempfile.TemporaryDirectory(prefix="diagnose-h200-") as tmp:
-        for shape, layers in SHAPES:
+        for shape, layers in (item.split(":") for item in args.shapes.split(",")):
+            layers = int(layers)
             ckpt = build(Path(tmp) / shape, shape, seed=0, layers=layers)
             tokenizer(ckpt)
             torch.cuda.empty_cache()

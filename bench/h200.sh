@@ -37,6 +37,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;
+    diagnose_8b) limit=300; cmd="python3 bench/diagnose_h200.py --shapes qwen3-8b:4 --out $OUT/diagnose" ;;
     compiled_gap) limit=420; cmd="python3 bench/compiled_gap.py --out $OUT/compiled_gap.json" ;;
     bench_e2e_8b_full) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --out $OUT/bench_vllm_e2e_8b_full.json" ;;
     bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
@@ -50,6 +51,8 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
                               --out $OUT/bench_vllm_e2e.json" ;;
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
+    bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
+                              --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
                               --out $OUT/bench_vllm_e2e_strict.json" ;;
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
@@ -64,7 +67,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_sync_planned_24) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile
                               --out $OUT/bench_sync_planned_24.json" ;;
     bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
-                              --out $OUT/bench_sync_planned.json" ;;
+                              --bucket-mib 2048 --out $OUT/bench_sync_planned.json" ;;
     *) echo "unknown step $1" >> "$OUT/steps.txt"; return ;;
     esac
     timeout "$limit" $cmd > "$OUT/$1.log" 2>&1
