@@ -202,8 +202,6 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
                 row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
-                row["mma_tiled_fused_ms"] = graph_ms(     # one launch: the kernel quantizes the activation itself
-                    lambda: [triton_gemm.linear(x, w, path="mma_fused") for w in w_t]) / len(w_t)
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
                                                                     for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
@@ -338,9 +336,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("linear"):
         if "mma_kernel_ms" in r:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
-                  f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), fused (one launch) "
-                  f"{r['mma_tiled_fused_ms'] * 1e3:.1f} us ({r['cublas_ms'] / r['mma_tiled_fused_ms']:.2f}x), "
-                  f"kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
+                  f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
                   + ("; by warps per CTA " + ", ".join(f"{rw}: {ms * 1e3:.1f}" for rw, ms in r["mma_rw_ms"].items())

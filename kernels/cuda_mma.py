@@ -172,13 +172,12 @@ def _cache_dir() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_index: int, fused: bool = False):
+def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_index: int):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
-    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
-               f"-DFUSED={int(fused)}"]
+    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}"]
     source = _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
@@ -190,7 +189,7 @@ def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_i
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(ptx)
         tmp.replace(path)
-    names = ["w4a16_mma", "w4_dequant"] if tiled and not fused else ["w4a16_mma"]
+    names = ["w4a16_mma", "w4_dequant"] if tiled else ["w4a16_mma"]
     with torch.cuda.device(device_index):
         kernels = _utils._cuda_load_module(ptx, names)
         kernels["w4a16_mma"].set_shared_memory_config(min(_smem_bytes(nt, _MAX_CPS, rw, stages), _SMEM_LIMIT))
@@ -227,16 +226,13 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
 
-def launch(x: torch.Tensor, x_gs: torch.Tensor | None, w: NVFP4Tensor, out: torch.Tensor, *,
+def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
-    x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation;
-          with x_gs None, the raw activation in out's dtype, which every CTA quantizes itself (per token,
-          the spec's "vllm" op order, bit for bit `triton_quant.quantize_per_token_exact`): one launch
-          instead of two, each CTA reading its tokens' whole rows for their amax
-    x_gs  fp32 [M]: the activation's S_dec per token, or None (fused quantization)
+    x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
+    x_gs  fp32 [M]: the activation's S_dec per token
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]; layout "modelopt" or "mma_tiled");
           N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
@@ -245,11 +241,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor | None, w: NVFP4Tensor, out: torc
     """
     m, k = x.shape
     n = w.shape[0]
-    fused = x_gs is None
-    if fused and (x.dtype != out.dtype or not x.is_contiguous()):
-        raise ValueError(f"x (fused quantization) must be contiguous [M, K] in out's dtype {out.dtype}, got {x.dtype}")
-    if not fused and (x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,)
-                      or x_gs.dtype != torch.float32):
+    if x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,) or x_gs.dtype != torch.float32:
         raise ValueError(f"x must be contiguous fp16 [M, K] with fp32 x_gs [M]; got {x.dtype} {tuple(x.shape)}, "
                          f"x_gs {x_gs.dtype} {tuple(x_gs.shape)}")
     if w.codes.dim() != 2 or w.shape[1] != k or not shape_ok(n, k) or not w.codes.is_contiguous():
@@ -271,15 +263,15 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor | None, w: NVFP4Tensor, out: torc
         raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
     gs = w.global_scale
-    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, w.layout == "mma_tiled", stages, dev, fused)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
-    # programmatic dependent launch: CTAs start (and load weights) while the kernel before (the quantizer,
-    # or whatever wrote the raw activation) still runs; griddepcontrol.wait orders the activation reads after it
+    # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
+    # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
     _launch(kernel, (row_ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True)
     return out
 

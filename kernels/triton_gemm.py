@@ -15,8 +15,7 @@ only by the order of the FP32 additions.
 Four paths, chosen by `linear_path(m, ...)`:
   "mma"     (2 <= M <= 64, per token, bf16/fp16; M = 1 too for "mma_tiled" weights)  `cuda_mma`: CUDA
             C++ on FP16 tensor cores (mma.sync) over the codes (ModelOpt or "mma_tiled" layout) and exact
-            FP16 activations; batch-invariant. "mma_fused" (forced only, not chosen yet: measured next on
-            the H200) is the same kernel quantizing the raw activation itself, one launch, the same bits.
+            FP16 activations; batch-invariant.
   "gemv"    (M = 1, or M <= GEMV_MAX_M without mma)  `triton_gemv`: exact block dots on packed FP16
             units over the 4-bit codes read as int64 blocks, the activation quantized in the launch.
   "packed"  (M <= PACKED_MAX_M)  `_w4a4_kernel`: an inline-PTX `prmt` table decode, then tensor
@@ -334,7 +333,7 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
     op_order: the activation quantizer's, "vllm" (the spec) or "te".
-    path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`; "mma_fused": its one-launch form), "gemv" (M <=
+    path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`), "gemv" (M <=
     triton_gemv.GEMV_KERNEL_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
@@ -346,16 +345,10 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
             raise ValueError(f"amax: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
         amax = amax.reshape(-1)
     path = path or linear_path(x2.shape[0], scaling, w, x.dtype)
-    if w.layout == "mma_tiled" and (path not in ("mma", "mma_fused", "bf16") or scaling != "per_token"):
+    if w.layout == "mma_tiled" and (path not in ("mma", "bf16") or scaling != "per_token"):
         raise ValueError(f"a mma_tiled weight takes the mma or bf16 path with per-token scaling, got {path!r}, "
                          f"{scaling!r}")
-    if path == "mma_fused":
-        if scaling != "per_token" or amax is not None or op_order != "vllm" or x.dtype not in _MMA_DTYPES:
-            raise ValueError("the mma_fused path quantizes bf16/fp16 per token in the vllm op order, without an "
-                             "amax override")
-        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        cuda_mma.launch(x2.contiguous(), None, w, out, bias=bias)
-    elif path == "mma":
+    if path == "mma":
         if scaling != "per_token":
             raise ValueError("the mma path implements per-token scaling only")
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
@@ -377,5 +370,5 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         launch_w4a4(a, w, out, bias=bias)
     else:
-        raise ValueError(f"path must be 'mma', 'mma_fused', 'gemv', 'packed' or 'bf16', got {path!r}")
+        raise ValueError(f"path must be 'mma', 'gemv', 'packed' or 'bf16', got {path!r}")
     return out.reshape(*x.shape[:-1], w.shape[0])

@@ -6,16 +6,10 @@
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
 //   STAGES    chunks in each warp's ring in shared memory (2..8): a warp streams its rows through it by
 //             cp.async, STAGES - 1 chunks in flight without holding registers
-//   FUSED     1: the activation arrives raw (bf16 if OUT_BF16, else fp16) and each CTA quantizes it itself
-//             (per-token NVFP4, the spec's "vllm" op order: `quantize_token_block` below), 0: the quantizer
-//             ran before (`triton_quant.quantize_per_token_exact`)
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
-// Activation: exact FP16 values e2m1(q_a) * s_a [M, K] and FP32 S_dec_a [M] from the per-token quantizer,
-// or (FUSED) the raw activation: each CTA reads its tokens' whole rows for their amax (S_enc, S_dec), then
-// quantizes its K slice into the same exact FP16 values while it stages them (bit for bit the Triton
-// quantizer's: the same fp32 operations, rounded one by one).
+// Activation: exact FP16 values e2m1(q_a) * s_a [M, K] and FP32 S_dec_a [M] from the per-token quantizer.
 //
 // Fragment mapping. An MMA's k order is free as long as both operands use it. Thread (g = lane/4,
 // t = lane%4) of a warp owns, in each 128-element chunk, the elements [32t, 32t + 32) of its rows
@@ -139,7 +133,7 @@ __device__ __forceinline__ u16 f32_to_bf16(float v) {
   return r;
 }
 
-// A value of the output dtype (FUSED: also the input's) to FP32 and back, rounded once.
+// A value of the output dtype to FP32 and back, rounded once.
 __device__ __forceinline__ float out_to_f32(u16 v) {
 #if OUT_BF16
   return __uint_as_float(((u32)v) << 16);
@@ -166,60 +160,6 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
   return (size_t)(n0 + g + 8 * half) * (K >> 5) + (size_t)c * 4 + t;
 #endif
 }
-
-#if FUSED
-__device__ __forceinline__ float in_to_f32(u32 pair, int hi) {    // element hi (0, 1) of a pair of inputs
-  return out_to_f32((u16)(pair >> (16 * hi)));
-}
-
-__device__ __forceinline__ float absmax8(uint4 v) {          // max |x| of 8 input elements
-  const u32 w[4] = {v.x, v.y, v.z, v.w};
-  float a = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(in_to_f32(w[i >> 1], i & 1)));
-  return a;
-}
-
-// e4m3 round-to-nearest-even of x in [0, 448] on the bits (`triton_quant._e4m3_rne`), as a float
-__device__ __forceinline__ float e4m3_rne(float x) {
-  const int bits = __float_as_int(x);
-  const int normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3);
-  const int sub = (int)__fadd_rn(__fadd_rn(__fmul_rn(x, 512.f), 12582912.f), -12582912.f);
-  const u32 code = (u32)(x < 0.015625f ? sub : normal) & 0xFF;
-  return f16_to_f32((u16)e4m3x2_to_f16x2((u16)code));
-}
-
-// S_enc of a token from its amax (`triton_quant._s_enc_from_amax`, the spec's order: 1/amax, then x 2688)
-__device__ __forceinline__ float s_enc_of(float amax) {
-  return amax == 0.f ? 1.f : fminf(__fmul_rn(__fdiv_rn(1.f, amax), 2688.f), 3.4028234663852886e38f);
-}
-
-// One 16-element block of one token (raw input x[16], its S_enc) -> the exact values e2m1(q) * s as FP16
-// pairs h[8] (elements 2i, 2i+1): `triton_quant._quantize_tile` ("vllm" op order) and `_e2m1_value`.
-__device__ __forceinline__ void quantize_token_block(const float (&x)[16], float s_enc, u32 (&h)[8]) {
-  float bamax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) bamax = fmaxf(bamax, fabsf(x[i]));
-  const float s = e4m3_rne(fminf(__fmul_rn(s_enc, __fmul_rn(bamax, 0.1666666716337204f)), 448.f));
-  const float dec = __fmul_rn(s, __fdiv_rn(1.f, s_enc));
-  const float inv = dec == 0.f ? 0.f : fminf(__fdiv_rn(1.f, dec), 3.4028234663852886e38f);
-#pragma unroll
-  for (int i = 0; i < 16; i += 2) {
-    u16 e[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float v = __fmul_rn(x[i + j], inv);
-      const float a = fminf(fabsf(v), 6.f);
-      const float step = a < 2.f ? 2.f : (a < 4.f ? 1.f : 0.5f), off = a < 2.f ? 0.f : (a < 4.f ? 2.f : 4.f);
-      const int code = (int)__fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(a, step), 12582912.f), -12582912.f), off);
-      const float mag = code < 4 ? 0.5f * code : (float)(2 << ((code - 4) >> 1)) * ((code & 1) ? 1.5f : 1.f);
-      const float q = __fmul_rn(__float_as_int(v) < 0 ? -mag : mag, s);
-      e[j] = f32_to_f16(q);
-    }
-    h[i >> 1] = e[0] | ((u32)e[1] << 16);
-  }
-}
-#endif
 
 // One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations.
 __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1, float (&acc)[NT][4],
@@ -264,8 +204,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           const u16* __restrict__ w_scales,     // e4m3 [N, K/16] as byte pairs
           const float* __restrict__ w_gs,       // fp32 S_dec: [N] (stride 1) or [] (stride 0)
           int w_gs_stride,
-          const uint4* __restrict__ x,          // fp16 [M, K] exact e2m1 * s values (FUSED: the raw activation)
-          const float* __restrict__ x_gs,       // fp32 S_dec per token [M] (FUSED: unused)
+          const uint4* __restrict__ x,          // fp16 [M, K] exact e2m1 * s values
+          const float* __restrict__ x_gs,       // fp32 S_dec per token [M]
           const u16* __restrict__ bias,         // [N] in the output dtype, or null
           u16* __restrict__ out,                // [M, N] bf16 / fp16
           float* __restrict__ partials,         // fp32 [S, M, N] when S > 1
@@ -294,44 +234,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i, qa += CSTEP, qb += CSTEP, sp += CSTEP)
       issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, i < nc);
-  // launched as a programmatic dependent of the kernel writing the activation: its results are visible after this
+  // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#if FUSED
-  // each token's amax over its whole row (a warp per token), then S_enc and S_dec
-  __shared__ float s_enc_sm[NT * 8], s_dec_sm[NT * 8];
-  for (int m = warp; m < NT * 8; m += RW) {
-    float a = 0.f;
-    if (m0 + m < M)
-      for (int v = lane; v < K / 8; v += 32) a = fmaxf(a, absmax8(__ldg(x + (size_t)(m0 + m) * (K / 8) + v)));
-#pragma unroll
-    for (int o = 16; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
-    if (lane == 0) {
-      s_enc_sm[m] = s_enc_of(a);
-      s_dec_sm[m] = __fdiv_rn(1.f, s_enc_sm[m]);
-    }
-  }
-  __syncthreads();
-  // the K slice quantized block by block (16 elements: words wd = 2 (b & 1), + 1 of column group tt = b / 2)
-  for (int e = threadIdx.x; e < NT * 8 * cps * 8; e += RW * 32) {
-    const int b = e & 7, m = (e >> 3) % (NT * 8), i = (e >> 3) / (NT * 8), tt = b >> 1;
-    u32 h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (m0 + m < M && i < nc) {
-      const uint4* src = x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + b * 16) / 8;
-      const uint4 lo = __ldg(src), hi = __ldg(src + 1);
-      const u32 w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      float xf[16];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) xf[j] = in_to_f32(w[j >> 1], j & 1);
-      quantize_token_block(xf, s_enc_sm[m], h);
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint4 v = make_uint4(h[4 * half], h[4 * half + 1], h[4 * half + 2], h[4 * half + 3]);
-      xs[((i * 4 + (b & 1) * 2 + half) * (NT * 8) + m) * 4 + tt] = make_uint4(
-          prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410));
-    }
-  }
-#else
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
     const int wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -340,7 +244,6 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410),
                                                             prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410));
   }
-#endif
   __syncthreads();
 
   // 2. decode and multiply each chunk while the next ones load
@@ -367,14 +270,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const int m = j * 8 + 2 * t + v;
-#if FUSED
-      sa[j][v] = s_dec_sm[m];
-#else
-      sa[j][v] = m0 + m < M ? x_gs[m0 + m] : 0.f;
-#endif
-    }
+    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < M ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
   if (S > 1) {
@@ -432,7 +328,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     }
 }
 
-#if TILED && !FUSED
+#if TILED
 // A "mma_tiled" weight as bf16 [N, K], row-major: e2m1 * block scale (exact: <= 6 significant bits), no
 // global scale. One thread per 16 code bytes (tile, chunk c, half, g, t: 32 elements of row
 // 16 * tile + g + 8 * half starting at 128 c + 32 t), decoded by `scaled_pairs` as the GEMM does.
