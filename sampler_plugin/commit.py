@@ -249,6 +249,13 @@ def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict |
 _UNSEEN = object()
 
 
+def per_tensor_entries(cache: dict) -> list[str]:
+    """Names of the NVFP4 entries in an `apply_fused` cache that are written tensor by tensor (their
+    storage does not hold them whole: a shard, parts held apart, another layout); a colocated engine
+    whose layers all take the batched path has none."""
+    return sorted(key[0] for key, plan in cache.items() if plan is None and key[1] == "nvfp4")
+
+
 def _serving(storage: NVFP4Tensor, targets: Mapping[str, Target], entry: FusedEntry) -> bool:
     """Whether `storage` is still the storage of the entry's first checkpoint tensor in `targets`."""
     slot = entry.slots[0]

@@ -6,7 +6,7 @@ Asserted bitwise on prompt log-probs: a refit to the seed-1 weights equals the w
 update from the same BF16 tensors (`nvfp4_apply_update`, quantized on arrival, itself tested against
 fresh engines in tests/test_vllm_moe.py); a refit back to seed 0 restores the start; a NaN in one
 trainer tensor raises InvalidSource and leaves the serving weights as they were; fused entries, not
-checkpoint tensors, are written.
+checkpoint tensors, are written, each NVFP4 one whole (no per-tensor fallback).
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_colocated.py
 """
 from __future__ import annotations
@@ -63,6 +63,7 @@ def test_refit_equals_the_extension_restores_and_refuses_nan(llm, ckpts):
     new = ColocatedRefit(llm, _state(ckpts[1]), config=_config(ckpts[1]))
     report = new.update(1)
     assert report["version"] == 1 and report["entries"] < len(_state(ckpts[1]))       # fused entries, not tensors
+    assert report["per_tensor_entries"] == []                              # every NVFP4 entry written whole
     seed_1 = prompt_logprobs(llm, ids)
     assert not torch.equal(seed_1, start)
     llm.collective_rpc("nvfp4_apply_update", args=(str(ckpts[1] / "model.safetensors"), 2))

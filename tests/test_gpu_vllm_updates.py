@@ -4,14 +4,15 @@ Skipped without CUDA or vllm. One engine per process (`tests/gpu_scripts/updates
 up to four at once on the one GPU. Random Qwen3-shaped BF16 checkpoints built on the device
 (`testing/checkpoints.py`): "dense-small" (4 layers) and "moe-small" (2 layers), seeds 0, 1;
 online quantization. Per kind: an engine on seed 0 that a trainer process on the same GPU updates
-through vLLM's `ipc` backend (BF16, then NVFP4 triplets: 0.28x the bytes) and that reloads through
-collective_rpc("reload_weights"), all after CUDA-graph capture; and a fresh engine on seed 1. Asserted:
+through vLLM's `ipc` backend (BF16, then NVFP4 triplets: 0.28x the bytes), that reloads through
+collective_rpc("reload_weights") and that `server.colocated.ColocatedRefit` refits from BF16 tensors on
+the same GPU, all after CUDA-graph capture; and a fresh engine on seed 1. Asserted:
   - after each full update: prompt log-probs, greedy tokens and decode log-probs (replayed in the
     captured graphs) equal the fresh seed-1 engine bitwise; restoring gives the start results bitwise
   - one shard of the fused qkv (q_proj only) and one expert: equal to the same update through the
     worker extension bitwise, different from the start, and restored bitwise
   - NVFP4 codes stay uint8 at their start addresses; the quantized layers' NVFP4 payload is under
-    0.30x their BF16 one
+    0.30x their BF16 one; the colocated refit writes every NVFP4 entry whole (no per-tensor fallback)
 Run (H200, after `bash .gpu-vllm/install.sh`): python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ vllm = pytest.importorskip("vllm")
 
 KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODE = "graphs"            # CUDA graphs without torch.compile (FULL_DECODE_ONLY): decode replays graphs
-FULL = ("ipc_bf16", "ipc_nvfp4", "rpc_bf16")
+FULL = ("ipc_bf16", "ipc_nvfp4", "rpc_bf16", "colocated")
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def test_ipc_and_reload_full_updates_equal_fresh_engine_and_restore(runs, kind):
         restored = "rpc_restored" if step.startswith("rpc") else f"{step}_restored"
         assert updated[restored] == updated["start"], restored
     assert updated["codes_4bit_in_place"]
+    assert updated["per_tensor_entries"] == []          # the colocated refit wrote every NVFP4 entry whole
     ratio = updated["bytes"]["ipc_nvfp4"] / updated["bytes"]["ipc_bf16"]
     print(f"{kind}: NVFP4 payload of the quantized layers {ratio:.3f}x their BF16 one")
     assert ratio < 0.30

@@ -133,6 +133,7 @@ class NVFP4SamplerWorkerExtension:
                   "steps": {"targets": t1 - t0, "write": t2 - t1, "refresh": t3 - t2}}
         if fused:
             report["entries"] = len(fused)
+            report["per_tensor_entries"] = commit.per_tensor_entries(cache)
         return report
 
     def nvfp4_save_state(self, path: str) -> int:

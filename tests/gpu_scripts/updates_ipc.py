@@ -15,6 +15,9 @@ start_weight_update -> update_weights -> finish_weight_update. Steps, each follo
   ipc_nvfp4 / ipc_nvfp4_restored    the same as NVFP4 triplets made by the trainer (kernels.dispatch)
   rpc_bf16 / rpc_restored           collective_rpc("reload_weights", weights_iterator=BF16 tensors), then
                                     reload_weights(weights_path=--old)
+  colocated / colocated_restored    `server.colocated.ColocatedRefit` from the BF16 tensors of --new, then
+                                    --old, on this GPU (no trainer process: colocated RL holds both here);
+                                    NVFP4 entries written tensor by tensor recorded in "per_tensor_entries"
   ipc_shard / ext_shard             only q_proj of layer 0 (NVFP4 triplet of --new): one shard of the fused
                                     qkv, through ipc, then restored and sent through our worker extension
   ipc_expert / ext_expert           (MoE) one expert of layer 0 of --new (BF16), the same way
@@ -181,6 +184,17 @@ def main() -> None:
         step("ipc_nvfp4_restored", lambda: ipc("ipc_nvfp4_restored", args.old, nvfp4=True))
         step("rpc_bf16", lambda: rpc(weights_iterator=list(load_file(Path(args.new) / "model.safetensors").items())))
         step("rpc_restored", lambda: rpc(weights_path=args.old))
+
+        def colocated(path, version):
+            from nvfp4_sampler.server.colocated import ColocatedRefit
+
+            state = load_file(Path(path) / "model.safetensors", device="cuda")
+            refit = ColocatedRefit(llm, state, config=json.loads((Path(path) / "config.json").read_text()))
+            out.setdefault("per_tensor_entries", []).extend(refit.update(version)["per_tensor_entries"])
+            return observe(llm)
+
+        step("colocated", lambda: colocated(args.new, 2))
+        step("colocated_restored", lambda: colocated(args.old, 3))
         partial = [("shard", f"{SHARD}.", True)]
         if json.loads((Path(args.old) / "config.json").read_text())["model_type"].endswith("_moe"):
             partial.append(("expert", f"{EXPERT}.", False))
