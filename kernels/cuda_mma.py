@@ -98,13 +98,15 @@ def config(n: int, k: int, *, cps: int | None = None) -> dict:
     return dict(CPS=cps, S=-(-chunks // cps))
 
 
-def tiles(m: int, *, rw: int | None = None) -> tuple[int, int]:
-    """(NT token tiles of 8 per CTA, RW warps of 16 rows per CTA) for M tokens (`TILES`); rw: an
-    override (benchmarks; 1..16). Neither changes what a token's output is."""
-    nt, default_rw = next((nt, r) for top, nt, r in TILES if top is None or m <= top)
-    rw = default_rw if rw is None else rw
+def tiles(m: int, *, rw: int | None = None, nt: int | None = None) -> tuple[int, int]:
+    """(NT token tiles of 8 per CTA, RW warps of 16 rows per CTA) for M tokens (`TILES`); rw, nt:
+    overrides (benchmarks; rw 1..16, nt 1..8). Neither changes what a token's output is."""
+    default_nt, default_rw = next((t, r) for top, t, r in TILES if top is None or m <= top)
+    nt, rw = default_nt if nt is None else nt, default_rw if rw is None else rw
     if not 1 <= rw <= 16:
         raise ValueError(f"rw must be in [1, 16], got {rw}")
+    if not 1 <= nt <= 8:
+        raise ValueError(f"nt must be in [1, 8], got {nt}")
     return nt, rw
 
 
@@ -228,7 +230,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, cps: int | None = None,
-           rw: int | None = None, stages: int = STAGES) -> torch.Tensor:
+           rw: int | None = None, nt: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -236,8 +238,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]; layout "modelopt" or "mma_tiled");
           N % 16 == 0, K % 128 == 0
     out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
-    cps   override of `config`'s chunks per split (benchmarks); rw: of `tiles`' warps per CTA;
-          stages: of the weight pipeline's depth (2..8; none changes the result)
+    cps   override of `config`'s chunks per split (benchmarks); rw, nt: of `tiles`' warps and token
+          tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
     """
     m, k = x.shape
     n = w.shape[0]
@@ -255,7 +257,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if m == 0:
         return out
     cfg = config(n, k, cps=cps)
-    nt, rw = tiles(m, rw=rw)
+    nt, rw = tiles(m, rw=rw, nt=nt)
     m_tiles, row_ctas = -(-m // (8 * nt)), -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)

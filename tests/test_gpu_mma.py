@@ -80,17 +80,20 @@ def test_mma_matches_reference(mods, m, n, k, tiled):
         assert torch.equal(out, plain), "the tiled layout changed the result"
 
 
-@pytest.mark.parametrize("m", [1, 16, 40])
-def test_warps_per_cta_and_stages_do_not_change_the_result(mods, m):
-    """`tiles`' rw (warps of 16 rows per CTA) and the weight pipeline's depth are speed choices: every
-    choice gives the same bits."""
+@pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_warps_tokens_per_cta_and_stages_do_not_change_the_result(mods, m, tiled):
+    """`tiles`' rw (warps of 16 rows per CTA) and nt (token tiles of 8 per CTA) and the weight
+    pipeline's depth are speed choices: every choice gives the same bits."""
     cuda_mma, _, tq = mods
     x, w = _x(m, 2048, seed=11), _w(640, 2048, seed=12, per_row=True)
+    wk = cuda_mma.tile_weight(w) if tiled else w
     a = tq.quantize_per_token_exact(x, dtype=torch.float16)
     outs = []
-    for rw, stages in [(1, 2), (4, 3), (8, 3), (16, 2), (1, 8), (4, 4), (8, 6), (16, 8)]:
+    for rw, stages, nt in [(1, 2, None), (4, 3, 1), (8, 3, 2), (16, 2, 4), (1, 8, 8), (4, 4, 8), (8, 6, None),
+                           (16, 8, 8), (8, 3, 8)]:
         outs.append(torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
-        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], rw=rw, stages=stages)
+        cuda_mma.launch(a.values, a.global_scale, wk, outs[-1], rw=rw, stages=stages, nt=nt)
     _check(outs[0], x, w, None)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 

@@ -1,6 +1,6 @@
 // Small-M exact W4A4 linear for sm_90 on FP16 tensor cores (mma.sync.m16n8k16, FP32 accumulation).
 // Compiled at run time by NVRTC (kernels/cuda_mma.py); no headers. The host defines
-//   NT        token tiles of 8 per CTA (1, 2 or 4; `cuda_mma.TILES` by M); more tokens loop over gridDim.z
+//   NT        token tiles of 8 per CTA (1..8; `cuda_mma.TILES` by M); more tokens loop over gridDim.z
 //   RW        16-row weight tiles per CTA, one per warp (all share the CTA's staged activations)
 //   OUT_BF16  1: bf16 output and bias, 0: fp16
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
@@ -32,6 +32,10 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+
+// Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
+// (whose 128 would take 174 registers).
+constexpr int kPlaneUnroll = NT > 4 ? 2 : 4;
 
 __device__ __forceinline__ u32 dec(u32 w) { return (w & 0x80008000u) | ((w & 0x70007000u) >> 3); }
 
@@ -300,7 +304,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
-#pragma unroll 4
+#pragma unroll kPlaneUnroll
       for (int s = 0; s < S; ++s)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
