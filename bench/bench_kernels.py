@@ -303,6 +303,8 @@ def bench_moe(log, quick: bool) -> None:
         row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemv.PAIRED_MAX_PAIRS else "grouped")
         if t <= 64:                               # both decode paths, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
+        if t <= 256:                              # the tensor-core kernel over each expert's 8-row tiles (forced)
+            row["mma_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path="mma") for tw, ti in routes]) / n_routes
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -362,12 +364,14 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for note in notes:
         print(f"  note: {note}")
     print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us  path     pairs us"
-          "   bf16 grouped us  speedup  ref us")
+          "   bf16 grouped us  speedup  ref us   mma path us (vs bf16 grouped)")
     for r in by("moe"):
         base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
         ref = f"{r['ref_ms'] * 1e3:8.0f}" if "ref_ms" in r else ""
         pairs = f"{r['pairs_ms'] * 1e3:9.1f}" if "pairs_ms" in r else f"{'-':>9s}"
-        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f}  {r['path']:7s} {pairs} {base} {ref}")
+        mma = (f"   {r['mma_ms'] * 1e3:9.1f} ({r['bf16_grouped_ms'] / r['mma_ms']:.2f}x)" if "bf16_grouped_ms" in r
+               else f"   {r['mma_ms'] * 1e3:9.1f}") if "mma_ms" in r else ""
+        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f}  {r['path']:7s} {pairs} {base} {ref:>8s}{mma}")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")

@@ -70,9 +70,9 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         for _, nt, rw in TILES:
-            for out_bf16 in (True, False):
+            for out_dtype in (torch.bfloat16, torch.float16):
                 for tiled in (False, True):
-                    _kernel(nt, rw, out_bf16, tiled, STAGES, index)
+                    _kernel(nt, rw, out_dtype, tiled, STAGES, index)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -174,12 +174,13 @@ def _cache_dir() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, out_bf16: bool, tiled: bool, stages: int, device_index: int):
+def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
-    dynamic shared memory of the largest slice (or the device's limit)."""
+    dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
-    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_bf16)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}"]
+    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
+               f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}"]
     source = _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
@@ -229,48 +230,64 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
-           bias: torch.Tensor | None = None, cps: int | None = None,
+           bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
     x_gs  fp32 [M]: the activation's S_dec per token
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]; layout "modelopt" or "mma_tiled");
-          N % 16 == 0, K % 128 == 0
-    out   bf16 or fp16 [M, N] contiguous; bias: [N] in out's dtype or None
+          N % 16 == 0, K % 128 == 0. Grouped: stacked experts [E, N, K] (global_scale [E] or [E, N])
+    out   bf16 or fp16 [M, N] contiguous, bias: [N] in out's dtype or None; or fp32 (no bias)
+    schedule  grouped (MoE) rows: int32 [3, Z] contiguous, the expert, first row and end row (exclusive,
+          the expert's last) of each tile of 8 * nt rows, as `triton_moe.moe_schedule(ids, E, 8 * nt)` gives
+          them (rows of x and out in that schedule's order; empty ranges are skipped); nt must be given
     cps   override of `config`'s chunks per split (benchmarks); rw, nt: of `tiles`' warps and token
           tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
     """
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[-2]
     if x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,) or x_gs.dtype != torch.float32:
         raise ValueError(f"x must be contiguous fp16 [M, K] with fp32 x_gs [M]; got {x.dtype} {tuple(x.shape)}, "
                          f"x_gs {x_gs.dtype} {tuple(x_gs.shape)}")
-    if w.codes.dim() != 2 or w.shape[1] != k or not shape_ok(n, k) or not w.codes.is_contiguous():
-        raise ValueError(f"w must be contiguous [N, K] with N % 16 == 0 and K % {CHUNK} == 0, got {tuple(w.shape)}")
-    if out.shape != (m, n) or out.dtype not in (torch.bfloat16, torch.float16) or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous bf16/fp16 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous [{n}] {out.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    dims = 2 if schedule is None else 3
+    if w.codes.dim() != dims or w.shape[-1] != k or not shape_ok(n, k) or not w.codes.is_contiguous():
+        raise ValueError(f"w must be contiguous {'[N, K]' if schedule is None else '[E, N, K]'} with N % 16 == 0 and "
+                         f"K % {CHUNK} == 0, got {tuple(w.shape)}")
+    if out.shape != (m, n) or out.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bf16/fp16/fp32 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != out.dtype or out.dtype == torch.float32
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{n}] in out's dtype bf16/fp16, got {bias.dtype} {tuple(bias.shape)}")
+    gs = w.global_scale
+    if schedule is None:
+        gs_row, gs_expert = (0 if gs.dim() == 0 else gs.stride(0)), 0
+    else:
+        if schedule.dtype != torch.int32 or schedule.dim() != 2 or schedule.shape[0] != 3 or not schedule.is_contiguous() \
+                or schedule.device != x.device or nt is None:
+            raise ValueError(f"schedule must be contiguous int32 [3, Z] on {x.device}, with nt given; got "
+                             f"{schedule.dtype} {tuple(schedule.shape)}, nt={nt}")
+        if gs.dim() not in (1, 2) or gs.shape[0] != w.shape[0]:
+            raise ValueError(f"a stacked weight's global_scale must be [E] or [E, N], got {tuple(gs.shape)}")
+        gs_row, gs_expert = (0 if gs.dim() == 1 else gs.stride(1)), gs.stride(0)
     if not 2 <= stages <= 8:
         raise ValueError(f"stages must be in [2, 8], got {stages}")
     if m == 0:
         return out
     cfg = config(n, k, cps=cps)
-    nt, rw = tiles(m, rw=rw, nt=nt)
-    m_tiles, row_ctas = -(-m // (8 * nt)), -(-n // (16 * rw))
+    nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
+    m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel():
         raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
-    gs = w.global_scale
-    kernel = _kernel(nt, rw, out.dtype == torch.bfloat16, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
-    args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(0 if gs.dim() == 0 else gs.stride(0)),
-            _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets),
+    args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
+            _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
@@ -287,7 +304,7 @@ def dequantize(w: NVFP4Tensor) -> torch.Tensor:
     out = torch.empty((n, k), dtype=torch.bfloat16, device=w.codes.device)
     dev = w.codes.device.index if w.codes.device.index is not None else torch.cuda.current_device()
     units = n * k // 32
-    kernel = _kernel(*TILES[0][1:], True, True, STAGES, dev)["w4_dequant"]
+    kernel = _kernel(*TILES[0][1:], torch.bfloat16, True, STAGES, dev)["w4_dequant"]
     _launch(kernel, (-(-units // 256), 1, 1), 256, 0, w.codes.device,
             [_ptr(w.codes), _ptr(w.block_scales), _ptr(out), ctypes.c_int(n), ctypes.c_int(k)], pdl=False)
     return out

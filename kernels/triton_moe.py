@@ -2,6 +2,8 @@
 
 Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
 program row per (token, expert) pair, activations quantized inside the launches.
+path="mma" (forced only until measured): `_moe_mma`, the tensor-core kernel of the dense decode
+(`cuda_mma`) over 8-row tiles of each expert's rows, each active expert's weights read once per tile.
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`moe_schedule`)
@@ -54,10 +56,12 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, *, op_order: str = "vllm") -> torch.Tensor:
+        topk_ids: torch.Tensor, *, op_order: str = "vllm", path: str | None = None) -> torch.Tensor:
     """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
     or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
-    op_order: the per-token activation quantizer's, "vllm" or "te".
+    op_order: the per-token activation quantizer's, "vllm" or "te". path: None (by size: "pairs"
+    for decode, else "grouped"), or one forced: "pairs", "grouped", "mma" (bf16/fp16 x, ModelOpt
+    weights with H, I % 128 == 0, `cuda_mma` loaded).
     Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -68,7 +72,11 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     k = topk_ids.shape[1]
     p = t * k
-    if p <= triton_gemv.PAIRED_MAX_PAIRS:
+    if path not in (None, "pairs", "grouped", "mma"):
+        raise ValueError(f"path must be None, 'pairs', 'grouped' or 'mma', got {path!r}")
+    if path == "mma":
+        return _moe_mma(x, w13, w2, topk_weights, topk_ids, op_order)
+    if path == "pairs" or path is None and p <= triton_gemv.PAIRED_MAX_PAIRS:
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
     order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
@@ -84,6 +92,39 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     triton_gemm.launch_w4a4(a2, w2, y, schedule=schedule, row_weight=row_weight, config=cfg)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(p, device=x.device)
+    return y[pos].view(t, k, h).sum(1).to(x.dtype)
+
+
+MMA_NT = 1          # token tiles of 8 per expert tile in `_moe_mma`: decode batches give an expert a few rows
+
+
+def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, op_order: str) -> torch.Tensor:
+    """MoE on the tensor-core kernel (`cuda_mma`): the (token, slot) pairs sorted by expert in tiles of
+    8 * MMA_NT rows (`moe_schedule`); x quantized once per token into exact fp16 values and gathered into
+    that order; w13 into fp32 [P, 2I]; SwiGLU in fp32 as the spec computes it, rounded to x's dtype;
+    that quantized per row; w2 into fp32 [P, H]; each pair times its router weight, the k pairs of a
+    token summed in fp32. Deterministic: the kernel's fixed split-K order, a stable sort."""
+    from . import cuda_mma
+
+    if x.dtype not in (torch.bfloat16, torch.float16) or w13.layout != "modelopt" or w2.layout != "modelopt":
+        raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights, got {x.dtype}, {w13.layout}, {w2.layout}")
+    t, h = x.shape
+    e, k, inter = w13.shape[0], topk_ids.shape[1], w13.shape[1] // 2
+    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, 8 * MMA_NT)
+    schedule = torch.stack([tile_expert, tile_start, tile_end])
+    token = order // k
+    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16)
+    h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
+    cuda_mma.launch(a.values.index_select(0, token), a.global_scale.index_select(0, token), w13, h13,
+                    schedule=schedule, nt=MMA_NT)
+    act = (torch.nn.functional.silu(h13[:, :inter]) * h13[:, inter:]).to(x.dtype)
+    b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
+    y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
+    cuda_mma.launch(b.values, b.global_scale, w2, y, schedule=schedule, nt=MMA_NT)
+    y *= topk_weights.reshape(-1)[order].float()[:, None]
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(t * k, device=x.device)
     return y[pos].view(t, k, h).sum(1).to(x.dtype)
 
 

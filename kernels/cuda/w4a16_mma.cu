@@ -3,6 +3,7 @@
 //   NT        token tiles of 8 per CTA (1..8; `cuda_mma.TILES` by M); more tokens loop over gridDim.z
 //   RW        16-row weight tiles per CTA, one per warp (all share the CTA's staged activations)
 //   OUT_BF16  1: bf16 output and bias, 0: fp16
+//   OUT_F32   1: fp32 output, no bias (the MoE's expert GEMMs, whose SwiGLU and combine read FP32)
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
 //   STAGES    chunks in each warp's ring in shared memory (2..8): a warp streams its rows through it by
 //             cp.async, STAGES - 1 chunks in flight without holding registers
@@ -24,6 +25,11 @@
 // decoded pair is multiplied by its block scale (FP16, exact: <= 6 significant bits on the 2^-24
 // grid), so the MMA multiplies exact values and accumulates in FP32; the epilogue applies
 // ((acc * 2^14) * S_dec_a[m]) * S_dec_w[n] (+ bias) in FP32 and rounds once, the reference's order.
+//
+// Grouped (MoE). With a tile table (`cuda_mma.launch`'s `schedule`: int32 [3, Z] expert, first row, end row of
+// the expert's rows), CTA z computes rows [first, min(first + NT * 8, end)) of x and out against expert
+// tiles[0][z] of a stacked weight [E, N, K] (its codes, scales and global scales offset by the expert);
+// an empty range exits before it touches anything (the schedule's spare tiles).
 //
 // Reduction order. Each output element is summed in a fixed order that depends on (N, K) and the
 // launch constants only, never on M or on the other tokens: k16 steps in order inside a warp, then
@@ -210,10 +216,12 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           int w_gs_stride,
           const uint4* __restrict__ x,          // fp16 [M, K] exact e2m1 * s values
           const float* __restrict__ x_gs,       // fp32 S_dec per token [M]
-          const u16* __restrict__ bias,         // [N] in the output dtype, or null
-          u16* __restrict__ out,                // [M, N] bf16 / fp16
+          const u16* __restrict__ bias,         // [N] in the output dtype, or null (OUT_F32: null)
+          void* __restrict__ out_,              // [M, N] bf16 / fp16 (OUT_F32: fp32)
           float* __restrict__ partials,         // fp32 [S, M, N] when S > 1
           int* __restrict__ tickets,            // int32 [gridDim.x * gridDim.z], zero; left zero
+          const int* __restrict__ tiles,        // grouped: int32 [3, gridDim.z] expert, first row, end row; or null
+          int w_gs_expert_stride,               // grouped: floats between two experts' global scales
           int M, int N, int K,
           int cps) {                            // chunks of 128 K-elements per split (`cuda_mma._smem_bytes`)
   extern __shared__ uint4 xs[];                 // [chunk][word][token][t]: permuted fp16 pairs; then the rings
@@ -221,7 +229,16 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int S = gridDim.y, split = blockIdx.y;
   const int chunks = K >> 7, c0 = split * cps, nc = min(cps, chunks - c0);
-  const int m0 = blockIdx.z * NT * 8;
+  int m0 = blockIdx.z * NT * 8, m_end = M;    // this CTA's rows [m0, min(m0 + NT * 8, m_end))
+  if (tiles) {
+    m0 = tiles[gridDim.z + blockIdx.z];
+    m_end = tiles[2 * gridDim.z + blockIdx.z];
+    if (m0 >= m_end) return;
+    const size_t e = tiles[blockIdx.z];
+    w_codes += e * N * (K >> 5);
+    w_scales += e * N * (K >> 5);
+    w_gs += e * w_gs_expert_stride;
+  }
   const int n0 = (blockIdx.x * RW + warp) * 16;
   const bool rows_ok = n0 < N;
 
@@ -243,7 +260,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
     const int wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (m0 + m < M && i < nc)
+    if (m0 + m < m_end && i < nc)
       v = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
     xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410),
                                                             prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410));
@@ -274,7 +291,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < M ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
+    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < m_end ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
   if (S > 1) {
@@ -284,7 +301,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
           const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-          if (m < M) partials[((size_t)split * M + m) * N + n] = acc[j][v];
+          if (m < m_end) partials[((size_t)split * M + m) * N + n] = acc[j][v];
         }
     }
     __threadfence();
@@ -311,7 +328,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
           for (int v = 0; v < 4; ++v) {
             const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-            if (m < M) acc[j][v] = __fadd_rn(acc[j][v], __ldcg(partials + ((size_t)s * M + m) * N + n));
+            if (m < m_end) acc[j][v] = __fadd_rn(acc[j][v], __ldcg(partials + ((size_t)s * M + m) * N + n));
           }
     }
   }
@@ -323,11 +340,15 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
-      if (m < M) {
+      if (m < m_end) {
         // __fmul_rn / __fadd_rn: never contracted into an FMA (the reference rounds each step)
         float r = __fmul_rn(__fmul_rn(__fmul_rn(acc[j][v], 16384.f), sa[j][v & 1]), sw[v >> 1]);
+#if OUT_F32
+        reinterpret_cast<float*>(out_)[(size_t)m * N + n] = r;
+#else
         if (bias) r = __fadd_rn(r, out_to_f32(bias[n]));
-        out[(size_t)m * N + n] = f32_to_out(r);
+        reinterpret_cast<u16*>(out_)[(size_t)m * N + n] = f32_to_out(r);
+#endif
       }
     }
 }
