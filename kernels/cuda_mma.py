@@ -279,8 +279,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
-    if row_ctas * m_tiles > tickets.numel():
-        raise ValueError(f"too many tiles for the ticket buffer: {row_ctas * m_tiles}")
+    if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
+        raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
     kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
