@@ -18,6 +18,7 @@ def test_timing_table():
     row = {k: 0.5 for k in bs.SUBSTEPS} | {"entries": 12, "buckets": 1, "trainer_host_syncs": 1,
                                           "sidecar_host_syncs": 2}
     lines = bs.timing_table({"steady": row, "bad": {"error": "OOM"}}, scale=48).splitlines()
-    assert lines[0].startswith("| run | plan s | convert s") and len(lines) == 4
+    assert lines[0].startswith("| run | plan s | version s | convert s") and len(lines) == 4
+    assert "| sidecar s | sidecar_queue s | sidecar_open s | sidecar_copy s | sidecar_status s |" in lines[0]
     assert lines[2].endswith("| 24.00 | 12 | 1 | 1 + 2 |") and "not available: OOM" in lines[3]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
