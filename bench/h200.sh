@@ -36,6 +36,8 @@ step() {   # step NAME: its timeout (s) and command
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
+    bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
+                              --out $OUT/bench_sync_vllm_24.json" ;;   # 30 GB checkpoint: 48 layers exceed the disk
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;
     diagnose_8b) limit=300; cmd="python3 bench/diagnose_h200.py --shapes qwen3-8b:4 --out $OUT/diagnose" ;;
     compiled_gap) limit=420; cmd="python3 bench/compiled_gap.py --out $OUT/compiled_gap.json" ;;
