@@ -22,7 +22,8 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
         the fills), wait (the send thread waiting for a bucket's kernels), send (the request: handle,
         sidecar copy + its one validation + answer), sidecar (seconds inside the sidecar's bucket
         handler, from its /metrics, and by step: queue for a worker thread, open the buffer, copy +
-        validation to the host sync, status), buffer_wait,
+        validation to the host sync, status) and in garbage-collector pauses (sidecar_gc; trainer_gc: this
+        process's), buffer_wait,
         transfer (wall of all buckets), commit; counted: entries, buckets, host syncs and (with
         --profile) the trainer's CUDA kernels (launches, GPU time, the largest). Its sidecar's embedded engine runs on
         --device and serves a pre-quantized checkpoint of the same shapes (placeholder NVFP4 values,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -227,40 +229,61 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
     from nvfp4_sampler.server.planned import PlannedSender
 
     held = held if held is not None else {}
-    t0 = time.perf_counter()
-    version = client.version().weight_version + 1
-    t_version = time.perf_counter() - t0
-    if "sender" not in held:
-        sender = PlannedSender.of(state, config=CFG, bucket_bytes=bucket_bytes)
-        st = client.begin(version, list(sender.plan.manifest), bucket_bytes=bucket_bytes)
-        if st.plan_id != sender.plan.plan_id:
-            raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {sender.plan.plan_id}")
-        held.update(sender=sender, send=sender.new_buffers(device, buffers))
-    else:
-        sender = held["sender"]
-        st = client.begin(version, bucket_bytes=None, plan_id=sender.plan.plan_id)
-    t_plan = time.perf_counter() - t0
-    syncs = sender.host_syncs
     sidecar_s = sidecar_bucket_seconds(client)
-    times: dict[str, float] = {}
-    t1 = time.perf_counter()
-    st = sender.push(client, st.update_id, held["send"], times=times)
-    t2 = time.perf_counter()
-    if st.missing:
-        raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
-    res = client.commit(st.update_id)
-    t3 = time.perf_counter()
+    with gc_pauses() as trainer_gc:
+        t0 = time.perf_counter()
+        version = client.version().weight_version + 1
+        t_version = time.perf_counter() - t0
+        if "sender" not in held:
+            sender = PlannedSender.of(state, config=CFG, bucket_bytes=bucket_bytes)
+            st = client.begin(version, list(sender.plan.manifest), bucket_bytes=bucket_bytes)
+            if st.plan_id != sender.plan.plan_id:
+                raise RuntimeError(f"plan ids differ: sidecar {st.plan_id}, trainer {sender.plan.plan_id}")
+            held.update(sender=sender, send=sender.new_buffers(device, buffers))
+        else:
+            sender = held["sender"]
+            st = client.begin(version, bucket_bytes=None, plan_id=sender.plan.plan_id)
+        t_plan = time.perf_counter() - t0
+        syncs = sender.host_syncs
+        times: dict[str, float] = {}
+        t1 = time.perf_counter()
+        st = sender.push(client, st.update_id, held["send"], times=times)
+        t2 = time.perf_counter()
+        if st.missing:
+            raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
+        res = client.commit(st.update_id)
+        t3 = time.perf_counter()
     sidecar_s = {k: v - sidecar_s[k] for k, v in sidecar_bucket_seconds(client).items()}
     return {"payload": res.bytes, "plan": t_plan, "version": t_version, **times, **sidecar_s,
-            "transfer": t2 - t1, "commit": t3 - t2,
+            "trainer_gc": trainer_gc.seconds, "transfer": t2 - t1, "commit": t3 - t2,
             "engine_apply": res.apply_seconds, "total": t3 - t0, "entries": len(sender.plan.entries),
             "buckets": len(sender.plan.buckets), "trainer_host_syncs": sender.host_syncs - syncs,
             "sidecar_host_syncs": len(sender.plan.buckets) + 1}
 
+class gc_pauses(contextlib.AbstractContextManager):
+    """`with gc_pauses() as p:` p.seconds = this process's garbage-collector pauses inside (`gc.callbacks`)."""
+
+    def __init__(self):
+        self.seconds, self._t = 0.0, 0.0
+
+    def __enter__(self):
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+
 
 def sidecar_bucket_seconds(client: SamplerClient) -> dict[str, float]:
     """Seconds the sidecar has spent in its IPC bucket handler so far, in all ("sidecar") and by step
-    ("sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status"): its /metrics histograms' sums."""
+    ("sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status"), and in garbage-collector pauses
+    ("sidecar_gc", whatever it was doing): its /metrics histograms' sums."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
@@ -270,6 +293,8 @@ def sidecar_bucket_seconds(client: SamplerClient) -> dict[str, float]:
                 out["sidecar"] = s.value
             elif s.name == "nvfp4_sampler_ipc_bucket_step_seconds_sum":
                 out[f"sidecar_{s.labels['step']}"] = s.value
+            elif s.name == "nvfp4_sampler_gc_pause_seconds_sum":
+                out["sidecar_gc"] = out.get("sidecar_gc", 0.0) + s.value
     return {k: out.get(k, 0.0) for k in SIDECAR_STEPS}
 
 
@@ -294,9 +319,9 @@ def profile_kernels(fn, device: str) -> dict | None:
             "top": [(n, c, round(t, 4)) for n, (c, t) in top]}
 
 
-SIDECAR_STEPS = ("sidecar", "sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status")
+SIDECAR_STEPS = ("sidecar", "sidecar_queue", "sidecar_open", "sidecar_copy", "sidecar_status", "sidecar_gc")
 SUBSTEPS = ("plan", "version", "convert", "wait", "send", *SIDECAR_STEPS, "buffer_wait", "transfer", "commit",
-            "engine_apply", "total")
+            "engine_apply", "trainer_gc", "total")
 
 
 def timing_table(rows: dict[str, dict], *, scale: float = 1.0) -> str:

@@ -459,8 +459,10 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     entries = list(iter_entries(b))
     plan = TransferPlan.build(entries, bucket_bytes=128 << 10)
     assert len(plan.buckets) > 1 and len(plan.entries) < len(entries)
+    collections = _full_collections(client)
     st = client.begin(v + 1, entries, bucket_bytes=128 << 10)
     assert st.plan_id == plan.plan_id
+    assert _full_collections(client) >= collections + 1      # a new plan: one full collection (then frozen), timed
     flat = shared_cpu_buffer(plan.new_buffer().numel())
     with pytest.raises(SidecarError, match="frames") as e:              # a planned update takes buckets only
         client.send(st.update_id, [bytes(x) for x in encode_frame(entries[0], b)])
@@ -488,6 +490,12 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     assert st.plan_id == plan.plan_id and len(st.missing) == len(entries)
     client.abort(st.update_id)
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
+
+
+def _full_collections(client) -> float:
+    """Full collections the sidecar's garbage collector has run (nvfp4_sampler_gc_pause_seconds{generation="2"})."""
+    head = 'nvfp4_sampler_gc_pause_seconds_count{generation="2"}'
+    return next((float(x.split()[-1]) for x in client.metrics().splitlines() if x.startswith(head)), 0.0)
 
 
 def _bucket_count(client, step: str | None = None) -> float:
