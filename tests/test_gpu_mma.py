@@ -170,7 +170,8 @@ def test_hopper_mma_backend_linear(mods, m):
 @pytest.mark.parametrize("per_row_scale", [False, True])
 def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens, per_row_scale):
     """`triton_moe.moe(path="mma")`: the kernel over each expert's 8-row tiles (`schedule`), fp32 out,
-    against `reference.moe` with the bound the other MoE paths meet; two runs give the same bits."""
+    against `reference.moe` with the bound the other MoE paths meet; two runs and a CUDA-graph replay
+    give the same bits."""
     from nvfp4_sampler.kernels import triton_moe
 
     experts, hidden, inter, top_k = 16, 256, 128, 4
@@ -189,3 +190,9 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     close = ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2 * want.abs().max()).float().mean().item()
     assert close > 0.99, f"only {close:.4f} of the outputs within tolerance"
     assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="mma"), got)
+    graph = torch.cuda.CUDAGraph()                    # as engines run decode: captured once, replayed
+    with torch.cuda.graph(graph):
+        captured = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="mma")
+    captured.zero_()
+    graph.replay()
+    assert torch.equal(captured, got)
