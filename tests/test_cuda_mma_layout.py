@@ -105,11 +105,14 @@ def test_tiled_words_decode_to_the_same_pairs():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("nt,rw,bf16,tiled,stages", [(1, 4, 1, 0, cuda_mma.STAGES), (2, 8, 1, 1, cuda_mma.STAGES),
-                                                      (2, 8, 0, 0, 8), (1, 4, 1, 1, 2), (4, 8, 1, 0, cuda_mma.STAGES)])
-def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages):
+@pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32", [
+    (1, 4, 1, 0, cuda_mma.STAGES, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0), (2, 8, 0, 0, 8, 0), (1, 4, 1, 1, 2, 0),
+    (4, 8, 1, 0, cuda_mma.STAGES, 0), (8, 8, 1, 1, cuda_mma.STAGES, 0),     # 64 tokens a CTA (tiled, as engines store)
+    (1, 4, 0, 0, cuda_mma.STAGES, 1)])                                      # the grouped MoE's fp32 output
+def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32):
     res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
                           f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}", f"-DSTAGES={stages}",
+                          f"-DOUT_F32={f32}",
                           "-o", str(tmp_path / "k.cubin"), str(cuda_mma._SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "0 bytes spill stores" in res.stderr, res.stderr
@@ -123,6 +126,26 @@ def test_config_depends_on_the_weight_shape_only():
         assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
         assert cfg["CPS"] <= cuda_mma._MAX_CPS
         assert cuda_mma._smem_bytes(4, cfg["CPS"], 8, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
+
+
+def test_launch_refuses_a_bad_grouped_call():
+    """The grouped (MoE) form's contract is checked before anything reaches the device."""
+    import torch
+    from nvfp4_sampler.kernels import reference
+
+    w = reference.quantize_weight(torch.randn(4, 32, 128))                 # stacked experts [E, N, K]
+    x, x_gs = torch.zeros(8, 128, dtype=torch.float16), torch.ones(8)
+    out = torch.empty(8, 32)
+    good = torch.zeros(3, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        cuda_mma.launch(x, x_gs, w, out)                                    # a stacked weight needs a schedule
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        cuda_mma.launch(x, x_gs, reference.quantize_weight(torch.randn(32, 128)), out, schedule=good, nt=1)
+    for bad, nt in [(good.long(), 1), (good[:2], 1), (good.t().contiguous().t(), 1), (good, None)]:
+        with pytest.raises(ValueError, match="schedule"):
+            cuda_mma.launch(x, x_gs, w, out, schedule=bad, nt=nt)
+    with pytest.raises(ValueError, match="bias"):
+        cuda_mma.launch(x, x_gs, w, out, bias=torch.zeros(32), schedule=good, nt=1)     # fp32 out: no bias
 
 
 def test_tiles_cover_every_m():
