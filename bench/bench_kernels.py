@@ -49,7 +49,7 @@ MMA_BENCH_MAX_M = 64      # the mma kernel is measured up to here (the default p
 MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
-MMA_NT_SWEEP = (2, 4, 8)                  # token tiles of 8 per CTA at M = 32, 64
+MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 64
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
@@ -212,12 +212,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         cuda_mma.launch(xq.values, xq.global_scale, w, out, stages=st, cps=c) for w in w_t]) / len(w_t)
                         for st in MMA_STAGES_SWEEP for c in MMA_CPS_SWEEP
                         if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(nt, c, rw, st) <= cuda_mma._SMEM_LIMIT}
-                if m in (32, 64):                         # token tiles per CTA x split-K slice, tiled weights: at
-                    _, rw = cuda_mma.tiles(m)             # M = 64 NT = 4 decodes every weight twice (two M tiles)
-                    row["mma_nt_cps_ms"] = {f"{t},{c}": graph_ms(lambda t=t, c=c: [
-                        cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, cps=c) for w in w_t]) / len(w_t)
-                        for t in MMA_NT_SWEEP for c in MMA_CPS_SWEEP
-                        if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(t, c, rw, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT}
+                if m in (32, 64):                         # token tiles x warps per CTA x split-K slice, tiled weights:
+                    row["mma_nt_rw_cps_ms"] = {f"{t},{r},{c}": graph_ms(lambda t=t, r=r, c=c: [   # at M = 64 NT = 4
+                        cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r, cps=c)     # decodes every weight
+                        for w in w_t]) / len(w_t)                                                 # twice; each CTA stages
+                        for t in MMA_NT_SWEEP for r in (8, 16) for c in MMA_CPS_SWEEP             # its tokens' K slice
+                        if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(t, c, r, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT}
                 if m in (1, 16):                          # quantizer + kernel (PDL) by stages: the weight chunks a
                     def chain(st):                        # warp has in flight while the quantizer still runs
                         for w in w_t:
@@ -354,8 +354,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                      if "mma_stages_cps_ms" in r else "")
                   + ("; linear by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_tiled_linear_stages_ms"].items())
                      if "mma_tiled_linear_stages_ms" in r else "")
-                  + ("; tiled by nt,cps " + ", ".join(f"{tc}: {ms * 1e3:.1f}" for tc, ms in r["mma_nt_cps_ms"].items())
-                     if "mma_nt_cps_ms" in r else ""))
+                  + ("; tiled by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_nt_rw_cps_ms"].items())
+                     if "mma_nt_rw_cps_ms" in r else ""))
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "
