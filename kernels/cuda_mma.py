@@ -5,7 +5,9 @@ repacking), the activation is quantized per token into exact FP16 values plus an
 token (`triton_quant.quantize_per_token_exact`), and one launch multiplies them with the weight as
 the MMA's register operand (the .cu file's header says how). Results differ from
 `reference.nvfp4_gemm` only by the order of the FP32 additions; that order depends on (N, K) alone,
-so every token's output is bitwise the same at any M and in any batch (batch-invariant).
+so every token's output is bitwise the same at any M and in any batch (batch-invariant). The same
+launch runs grouped (MoE): a tile schedule assigns each CTA's rows to one expert of a stacked weight
+(`launch(..., schedule=)`, `triton_moe.moe(path="mma")`), with an fp32 output for the SwiGLU.
 
 Compilation: NVRTC through torch (`torch.cuda._utils`, torch >= 2.8 built with CUDA); PTX is cached on
 disk under $NVFP4_SAMPLER_CACHE (default ~/.cache/nvfp4_sampler) keyed by source, options and device,
