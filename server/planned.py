@@ -6,8 +6,10 @@
 `PlannedSender` maps each entry of a `TransferPlan` to the trainer's source tensors once (through
 `converters.name_map`): a fused expert tensor [E, P*R, K] that fills a stacked entry row for row is
 quantized in ONE launch into the entry's parts ([E*P, R, K] matrices, one decode scale each, as the
-converter quantizes it); any other member (q / k / v of a fused qkv, a per-expert source tensor) in
-one launch into its rows; a dense tensor is one copy. Everything lands at the plan's offsets of the
+converter quantizes it); per-expert source tensors (a checkpoint's `experts.{e}.gate_proj`, ...) that
+together fill a stacked entry are stacked on the device in chunks of at most STACK_BYTES and each chunk
+quantized the same way (a few launches per entry instead of several per expert); any other member
+(q / k / v of a fused qkv) in one launch into its rows; a dense tensor is one copy. Everything lands at the plan's offsets of the
 send buffer (`TransferPlan.fused_views`): there is no pack step. NaN/Inf in a quantized source show in
 its amax (`reference.weight_amax`), checked on the device per bucket (a flag copied to pinned host
 memory, no host sync per entry); the sidecar's validation of the bucket checks what is sent.
@@ -39,6 +41,9 @@ from .plan import TransferPlan
 from .protocol import UpdateStatus
 
 
+STACK_BYTES = 256 << 20    # per-expert sources stacked per launch (a transient copy of this size)
+
+
 class InvalidSource(ValueError):
     """A source tensor holds NaN or Inf: nothing of the update was committed."""
 
@@ -49,7 +54,8 @@ class Job:
     [-1, split, K] matrices when split is set) into entry `entry`'s parts at `rows` (codes, block
     scales or the dense tensor) and `scale` (decode scales); () selects the whole part.
     shared_group_scale: `share` parts per expert of a split tensor share one amax; `group` names the
-    checkpoint tensors of a member's fused group, whose amax it shares."""
+    checkpoint tensors of a member's fused group, whose amax it shares. stack: per-expert source names
+    in (expert, part) order, stacked into the [experts * parts, R, K] value (then `source` is the first)."""
 
     source: str
     index: tuple | None
@@ -59,6 +65,7 @@ class Job:
     split: int | None = None
     share: int = 1
     group: tuple[str, ...] | None = None
+    stack: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +105,7 @@ class PlannedSender:
         missing = where.keys() - done
         if missing:
             raise ValueError(f"{len(missing)} planned tensors have no source tensor, e.g. {sorted(missing)[:3]}")
+        self.jobs = [self._stacked(jobs) for jobs in self.jobs]
         self.quantizer = {}                              # device -> backend class (chosen once)
         self.flags = torch.zeros(len(plan.buckets), dtype=torch.bool,
                                  pin_memory=torch.cuda.is_available())
@@ -148,6 +156,40 @@ class PlannedSender:
             jobs.append(Job(name, mp.index, i, rows, scale, group=group))
         return jobs
 
+    def _stacked(self, jobs: list[Job]) -> list[Job]:
+        """`jobs` with each stacked entry's per-expert member jobs replaced by chunks of stacked jobs,
+        where the members' sources are whole [R, K] tensors of one shape that fill the entry row for row
+        (expert e, part p at rows [p * R, (p + 1) * R), decode-scale slot p); the rest unchanged."""
+        by_entry: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_entry.setdefault(job.entry, []).append(job)
+        out = []
+        for i, group in by_entry.items():
+            e = self.plan.entries[i]
+            codes = e.parts[-1].shape
+            shapes = {tuple(self.tensors[j.source].shape) for j in group}
+            if e.layout != "nvfp4" or len(codes) != 3 or len(group) != len(e.members) or len(shapes) != 1 \
+                    or any(j.index is not None or j.split is not None or len(j.rows) != 2 for j in group):
+                out += group
+                continue
+            rows = next(iter(shapes))[0]
+            parts = codes[1] // rows
+            order = {(j.rows[0], j.rows[1].start // rows): j for j in group}
+            if len(shapes.pop()) != 2 or codes[1] % rows or len(order) != codes[0] * parts or any(
+                    (x, p) not in order or order[x, p].rows[1] != slice(p * rows, (p + 1) * rows)
+                    or order[x, p].scale != (x, p) for x in range(codes[0]) for p in range(parts)):
+                out += group
+                continue
+            share = parts if group[0].group is not None else 1
+            per_expert = parts * rows * codes[2] * 2 * self.tensors[group[0].source].element_size()
+            chunk = max(1, STACK_BYTES // per_expert)
+            for x0 in range(0, codes[0], chunk):
+                x1 = min(codes[0], x0 + chunk)
+                names = tuple(order[x, p].source for x in range(x0, x1) for p in range(parts))
+                out.append(Job(names[0], None, i, (slice(x0, x1),), (slice(x0, x1),), split=rows, share=share,
+                               stack=names))
+        return out
+
     # ---- filling -------------------------------------------------------------------------------
     def fill(self, b: int, flat: torch.Tensor) -> Ready:
         """Write bucket `b` into `flat` (uint8 [>= the bucket's bytes], on the sources' device):
@@ -158,14 +200,11 @@ class PlannedSender:
         for job in self.jobs[b]:
             e = self.plan.entries[job.entry]
             parts = views[e.name]
-            value = self.tensors[job.source]
-            w = value if job.index is None else value[job.index]
+            w = self._value(job)
             if e.layout != "nvfp4":
                 dst = parts["dense"][job.rows]
                 dst.copy_(w.reshape(dst.shape))
                 continue
-            if job.split is not None:
-                w = w.reshape(-1, job.split, w.shape[-1])
             amax = reference.weight_amax(w)
             if job.share > 1:                                               # per expert, over its parts
                 amax = amax.view(-1, job.share).amax(1, keepdim=True).expand(-1, job.share).reshape(-1)
@@ -204,14 +243,20 @@ class PlannedSender:
     def find_invalid(self, b: int) -> str:
         """The slow path after bucket `b` was flagged: the first source tensor holding NaN or Inf."""
         for job in self.jobs[b]:
-            if self.plan.entries[job.entry].layout == "nvfp4" and \
-                    not bool(torch.isfinite(reference.weight_amax(self._value(job))).all()):
-                return f"{job.source}: contains NaN or Inf"
+            if self.plan.entries[job.entry].layout == "nvfp4":
+                for name in job.stack or (job.source,):
+                    value = self.tensors[name] if job.stack else self._value(job)
+                    if not bool(torch.isfinite(reference.weight_amax(value)).all()):
+                        return f"{name}: contains NaN or Inf"
         return f"bucket {b}: a source tensor contains NaN or Inf"
 
     def _value(self, job: Job) -> torch.Tensor:
-        value = self.tensors[job.source]
-        w = value if job.index is None else value[job.index]
+        """The job's source value: value[index], stacked per-expert sources, [-1, split, K] when split."""
+        if job.stack:
+            w = torch.stack([self.tensors[n] for n in job.stack])
+        else:
+            value = self.tensors[job.source]
+            w = value if job.index is None else value[job.index]
         return w if job.split is None else w.reshape(-1, job.split, w.shape[-1])
 
     # ---- sending -------------------------------------------------------------------------------

@@ -39,6 +39,40 @@ def test_filled_buckets_equal_the_converter_packed(kw):
         assert torch.equal(got, plan.pack(b, direct, plan.new_buffer(b))), f"bucket {b}"
 
 
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same weights under a checkpoint's per-expert names (`experts.{e}.gate_proj.weight`, ...)."""
+    from nvfp4_sampler.converters import name_map
+    return {m.name: (t if m.index is None else t[m.index]).contiguous()
+            for n, t in state.items() for m in name_map.expand(n, tuple(t.shape))}
+
+
+@pytest.mark.parametrize("kw", [{}, {"recipe": Recipe(weight="2d", op_order="te"), "shared_group_scale": True}],
+                         ids=["1d", "2d-te-shared"])
+def test_per_expert_sources_are_stacked_and_equal_the_converter_packed(kw, monkeypatch):
+    """Per-expert source tensors (as HF checkpoints and FSDP trainers hold them) fill a stacked entry in
+    chunks of stacked experts (STACK_BYTES), not one launch set per expert; the bytes are the converter's."""
+    import nvfp4_sampler.server.planned as planned
+
+    state = _per_expert(model_tensors(CFG, "cpu"))
+    per_expert = 2 * CFG["moe_intermediate_size"] * CFG["hidden_size"] * 2
+    monkeypatch.setattr(planned, "STACK_BYTES", 3 * per_expert)   # w13: chunks of 3 and 1 experts; w2 (half): one
+    sender, pp = _sender(state, **kw)
+    plan = sender.plan
+    stacked = [j for jobs in sender.jobs for j in jobs if j.stack]
+    assert sorted(len(j.stack) for j in stacked) == sorted([2, 4, 6] * CFG["num_hidden_layers"])  # experts x parts
+    direct = {}
+    for bucket in iter_buckets(pp.source, pp.options):
+        direct |= bucket
+    for b in range(len(plan.buckets)):
+        got = plan.new_buffer(b)
+        assert sender.fill(b, got).wait() is False
+        assert torch.equal(got, plan.pack(b, direct, plan.new_buffer(b))), f"bucket {b}"
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    state[name][5, 7] = float("nan")
+    flagged = [b for b in range(len(plan.buckets)) if sender.fill(b, plan.new_buffer(b)).wait()]
+    assert len(flagged) == 1 and sender.find_invalid(flagged[0]) == f"{name}: contains NaN or Inf"
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_source_flags_its_bucket_only(bad):
     state = model_tensors(CFG, "cpu")
