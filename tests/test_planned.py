@@ -30,7 +30,12 @@ def test_filled_buckets_equal_the_converter_packed(kw):
     assert len(plan.buckets) > 1
     stacked = [j for jobs in sender.jobs for j in jobs if j.split is not None]
     assert len(stacked) == 2 * CFG["num_hidden_layers"]           # w13 and w2: one job (one launch) per layer
-    direct = {}
+    _assert_fills_are_the_converters(sender, pp)
+
+
+def _assert_fills_are_the_converters(sender: PlannedSender, pp: push.Plan) -> None:
+    """Every bucket the sender fills equals, byte for byte, the converter's output packed by the plan."""
+    plan, direct = sender.plan, {}
     for bucket in iter_buckets(pp.source, pp.options):
         direct |= bucket
     for b in range(len(plan.buckets)):
@@ -60,13 +65,7 @@ def test_per_expert_sources_are_stacked_and_equal_the_converter_packed(kw, monke
     plan = sender.plan
     stacked = [j for jobs in sender.jobs for j in jobs if j.stack]
     assert sorted(len(j.stack) for j in stacked) == sorted([2, 4, 6] * CFG["num_hidden_layers"])  # experts x parts
-    direct = {}
-    for bucket in iter_buckets(pp.source, pp.options):
-        direct |= bucket
-    for b in range(len(plan.buckets)):
-        got = plan.new_buffer(b)
-        assert sender.fill(b, got).wait() is False
-        assert torch.equal(got, plan.pack(b, direct, plan.new_buffer(b))), f"bucket {b}"
+    _assert_fills_are_the_converters(sender, pp)
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
     state[name][5, 7] = float("nan")
     flagged = [b for b in range(len(plan.buckets)) if sender.fill(b, plan.new_buffer(b)).wait()]
