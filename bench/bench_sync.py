@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -226,11 +225,13 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
     the manifest, the sender's jobs and `buffers` send buffers; later: begin with the held plan_id),
     every bucket quantized straight into a send buffer and sent while the next one converts, commit.
     Returns seconds per sub-step and counts."""
+    from nvfp4_sampler.server.app import GcPauses
     from nvfp4_sampler.server.planned import PlannedSender
 
     held = held if held is not None else {}
     sidecar_s = sidecar_bucket_seconds(client)
-    with gc_pauses() as trainer_gc:
+    trainer_gc: list[float] = []
+    with GcPauses(lambda generation, seconds: trainer_gc.append(seconds)):
         t0 = time.perf_counter()
         version = client.version().weight_version + 1
         t_version = time.perf_counter() - t0
@@ -255,30 +256,10 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
         t3 = time.perf_counter()
     sidecar_s = {k: v - sidecar_s[k] for k, v in sidecar_bucket_seconds(client).items()}
     return {"payload": res.bytes, "plan": t_plan, "version": t_version, **times, **sidecar_s,
-            "trainer_gc": trainer_gc.seconds, "transfer": t2 - t1, "commit": t3 - t2,
+            "trainer_gc": sum(trainer_gc), "transfer": t2 - t1, "commit": t3 - t2,
             "engine_apply": res.apply_seconds, "total": t3 - t0, "entries": len(sender.plan.entries),
             "buckets": len(sender.plan.buckets), "trainer_host_syncs": sender.host_syncs - syncs,
             "sidecar_host_syncs": len(sender.plan.buckets) + 1}
-
-class gc_pauses(contextlib.AbstractContextManager):
-    """`with gc_pauses() as p:` p.seconds = this process's garbage-collector pauses inside (`gc.callbacks`)."""
-
-    def __init__(self):
-        self.seconds, self._t = 0.0, 0.0
-
-    def __enter__(self):
-        gc.callbacks.append(self._hook)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self._hook)
-
-    def _hook(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._t
-
 
 def sidecar_bucket_seconds(client: SamplerClient) -> dict[str, float]:
     """Seconds the sidecar has spent in its IPC bucket handler so far, in all ("sidecar") and by step

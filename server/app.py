@@ -12,6 +12,7 @@ import gc
 import hmac
 import os
 import time
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,14 +55,27 @@ class Metrics:
         self.gc_pause_seconds = Histogram("nvfp4_sampler_gc_pause_seconds", "garbage-collector pauses by generation",
                                           ["generation"], registry=r,
                                           buckets=(0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5))
-        self._gc_start = 0.0
 
-    def on_gc(self, phase: str, info: dict) -> None:
-        """A `gc.callbacks` hook: times each collection."""
+
+class GcPauses(contextlib.AbstractContextManager):
+    """While entered, every garbage collection of this process is timed: observe(generation, seconds)
+    (a `gc.callbacks` hook)."""
+
+    def __init__(self, observe: Callable[[int, float], None]):
+        self.observe, self._start = observe, 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_start = time.perf_counter()
+            self._start = time.perf_counter()
         else:
-            self.gc_pause_seconds.labels(str(info["generation"])).observe(time.perf_counter() - self._gc_start)
+            self.observe(info["generation"], time.perf_counter() - self._start)
 
 
 def freeze_long_lived() -> None:
@@ -100,14 +114,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
         if settings.data_port is not None:
             updates.data_port = await plane.start(settings.host, settings.data_port)
         freeze_long_lived()
-        gc.callbacks.append(metrics.on_gc)
-        try:
-            yield
-        finally:
-            gc.callbacks.remove(metrics.on_gc)
-            gc.unfreeze()                           # what was frozen may be collected again (an app in a process)
-            await plane.close()
-            await engine.close()
+        with GcPauses(lambda generation, seconds: metrics.gc_pause_seconds.labels(str(generation)).observe(seconds)):
+            try:
+                yield
+            finally:
+                gc.unfreeze()                       # what was frozen may be collected again (an app in a process)
+                await plane.close()
+                await engine.close()
 
     app = FastAPI(title="nvfp4-sampler sidecar", lifespan=lifespan)
     app.state.engine, app.state.updates, app.state.settings = engine, updates, settings
