@@ -9,8 +9,8 @@ quantized in ONE launch into the entry's parts ([E*P, R, K] matrices, one decode
 converter quantizes it); per-expert source tensors (a checkpoint's `experts.{e}.gate_proj`, ...) that
 together fill a stacked entry are stacked on the device in chunks of at most STACK_BYTES and each chunk
 quantized the same way (a few launches per entry instead of several per expert); any other member
-(q / k / v of a fused qkv) in one launch into its rows; a dense tensor is one copy. Everything lands at the plan's offsets of the
-send buffer (`TransferPlan.fused_views`): there is no pack step. NaN/Inf in a quantized source show in
+(q / k / v of a fused qkv) in one launch into its rows; a dense tensor is one copy. Everything lands
+at the plan's offsets of the send buffer (`TransferPlan.fused_views`): there is no pack step. NaN/Inf in a quantized source show in
 its amax (`reference.weight_amax`), checked on the device per bucket (a flag copied to pinned host
 memory, no host sync per entry); the sidecar's validation of the bucket checks what is sent.
 
@@ -157,37 +157,40 @@ class PlannedSender:
         return jobs
 
     def _stacked(self, jobs: list[Job]) -> list[Job]:
-        """`jobs` with each stacked entry's per-expert member jobs replaced by chunks of stacked jobs,
-        where the members' sources are whole [R, K] tensors of one shape that fill the entry row for row
-        (expert e, part p at rows [p * R, (p + 1) * R), decode-scale slot p); the rest unchanged."""
+        """`jobs` with each stacked entry's per-expert member jobs replaced by chunks of stacked jobs
+        (`_stack_chunks`); the rest unchanged."""
         by_entry: dict[int, list[Job]] = {}
         for job in jobs:
             by_entry.setdefault(job.entry, []).append(job)
         out = []
         for i, group in by_entry.items():
-            e = self.plan.entries[i]
-            codes = e.parts[-1].shape
-            shapes = {tuple(self.tensors[j.source].shape) for j in group}
-            if e.layout != "nvfp4" or len(codes) != 3 or len(group) != len(e.members) or len(shapes) != 1 \
-                    or any(j.index is not None or j.split is not None or len(j.rows) != 2 for j in group):
-                out += group
-                continue
-            rows = next(iter(shapes))[0]
-            parts = codes[1] // rows
-            order = {(j.rows[0], j.rows[1].start // rows): j for j in group}
-            if len(shapes.pop()) != 2 or codes[1] % rows or len(order) != codes[0] * parts or any(
-                    (x, p) not in order or order[x, p].rows[1] != slice(p * rows, (p + 1) * rows)
-                    or order[x, p].scale != (x, p) for x in range(codes[0]) for p in range(parts)):
-                out += group
-                continue
-            share = parts if group[0].group is not None else 1
-            per_expert = parts * rows * codes[2] * 2 * self.tensors[group[0].source].element_size()
-            chunk = max(1, STACK_BYTES // per_expert)
-            for x0 in range(0, codes[0], chunk):
-                x1 = min(codes[0], x0 + chunk)
-                names = tuple(order[x, p].source for x in range(x0, x1) for p in range(parts))
-                out.append(Job(names[0], None, i, (slice(x0, x1),), (slice(x0, x1),), split=rows, share=share,
-                               stack=names))
+            out += self._stack_chunks(i, group) or group
+        return out
+
+    def _stack_chunks(self, i: int, group: list[Job]) -> list[Job] | None:
+        """Stacked jobs for entry `i` when its member jobs `group` take whole [R, K] sources of one shape
+        that fill its codes [E, P * R, K / 2] row for row (expert x, part p at rows [p * R, (p + 1) * R),
+        decode-scale slot p), in chunks of at most STACK_BYTES of source; None otherwise."""
+        e = self.plan.entries[i]
+        codes = e.parts[-1].shape
+        shapes = {tuple(self.tensors[j.source].shape) for j in group}
+        shape = shapes.pop() if len(shapes) == 1 else ()
+        if e.layout != "nvfp4" or len(codes) != 3 or len(shape) != 2 or codes[1] % shape[0] \
+                or any(j.index is not None or j.split is not None or len(j.rows) != 2 for j in group):
+            return None
+        rows, experts = shape[0], codes[0]
+        parts = codes[1] // rows
+        order = {(j.rows[0], j.rows[1].start, j.rows[1].stop, j.scale): j for j in group}
+        keys = [(x, p * rows, (p + 1) * rows, (x, p)) for x in range(experts) for p in range(parts)]
+        if len(group) != len(keys) or any(key not in order for key in keys):
+            return None
+        share = parts if group[0].group is not None else 1
+        chunk = max(1, STACK_BYTES // (parts * rows * shape[1] * self.tensors[group[0].source].element_size()))
+        out = []
+        for x0 in range(0, experts, chunk):
+            x1 = min(experts, x0 + chunk)
+            names = tuple(order[key].source for key in keys[x0 * parts:x1 * parts])
+            out.append(Job(names[0], None, i, (slice(x0, x1),), (slice(x0, x1),), split=rows, share=share, stack=names))
         return out
 
     # ---- filling -------------------------------------------------------------------------------
