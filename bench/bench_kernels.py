@@ -295,16 +295,21 @@ def bench_moe(log, quick: bool) -> None:
     log("memory", dict(shape="30B-A3B MoE layer", bf16_bytes=bf_bytes, nvfp4_bytes=w13.nbytes + w2.nbytes,
                        ratio=(w13.nbytes + w2.nbytes) / bf_bytes))
     w13_t, w2_t = w13_bf.transpose(1, 2), w2_bf.transpose(1, 2)
-    for t in ((1, 16, 64, 8192) if quick else (1, 4, 16, 64, 256, 1024, 8192)):
+    for t in ((1, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 4, 16, 32, 64, 128, 256, 1024, 8192)):
         n_routes = 16 if t <= 64 else 1
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
         ours = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti) for tw, ti in routes]) / n_routes
-        row = dict(tokens=t, ours_ms=ours, path="pairs" if t * k <= triton_gemv.PAIRED_MAX_PAIRS else "grouped")
-        if t <= 64:                               # both decode paths, whichever the threshold picks
+        row = dict(tokens=t, ours_ms=ours, path=triton_moe.moe_path(t * k, x, w13, w2))
+        if t <= 64:                               # the per-pair decode path, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
-        if t <= 256:                              # the tensor-core kernel over each expert's 8-row tiles (forced)
-            row["mma_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path="mma") for tw, ti in routes]) / n_routes
+        if t >= 16:                               # the grouped Triton GEMM and the tensor-core kernel (forced)
+            for path in ("grouped", "mma"):
+                try:
+                    row[f"{path}_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path=path)
+                                                          for tw, ti in routes]) / n_routes
+                except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
+                    row[f"{path}_error"] = str(err)[:300]
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -363,15 +368,14 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     notes = {r["peer_note"] for r in by("linear") if "peer_note" in r}
     for note in notes:
         print(f"  note: {note}")
-    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768)\n  tokens   ours us  path     pairs us"
-          "   bf16 grouped us  speedup  ref us   mma path us (vs bf16 grouped)")
+    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768); us, speedup = BF16 grouped / ours\n"
+          "  tokens   ours  path     pairs  grouped      mma  bf16 grouped  speedup   ref")
+    us = lambda r, key: f"{r[key] * 1e3:8.1f}" if key in r else f"{'-':>8s}"
     for r in by("moe"):
-        base = f"{r['bf16_grouped_ms'] * 1e3:12.1f} {r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else "       error"
-        ref = f"{r['ref_ms'] * 1e3:8.0f}" if "ref_ms" in r else ""
-        pairs = f"{r['pairs_ms'] * 1e3:9.1f}" if "pairs_ms" in r else f"{'-':>9s}"
-        mma = (f"   {r['mma_ms'] * 1e3:9.1f} ({r['bf16_grouped_ms'] / r['mma_ms']:.2f}x)" if "bf16_grouped_ms" in r
-               else f"   {r['mma_ms'] * 1e3:9.1f}") if "mma_ms" in r else ""
-        print(f"  {r['tokens']:6d} {r['ours_ms'] * 1e3:9.1f}  {r['path']:7s} {pairs} {base} {ref:>8s}{mma}")
+        speed = f"{r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else f"{'error':>9s}"
+        ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
+        print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
+              f"{us(r, 'mma_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")

@@ -35,6 +35,12 @@ _MAX_CPS = 16             # the largest slice a launch may take (dynamic shared 
 # activation slice each CTA stages in shared memory is read by more weight rows (at 16 tokens and 4
 # warps its L2 reads equalled the weight's); (nt, rw) never change the summation order
 TILES = ((8, 1, 4), (16, 2, 8), (None, 4, 8))
+# The default (not batch-invariant) path above M = 16 (`throughput_options`): on the H200 sweep of NT x RW x
+# CPS at M = 32 and 64 (bench_linear_small, 2026-12-04) wide weights (N >= 8192) ran fastest with 16 warps
+# and 16-chunk slices (8B gate_up at M = 64: 73 vs 97 us, M = 32: 46 vs 51), the others with 8 warps and
+# 8 chunks (16 from 48 chunks on: K = 6144); `config`'s batch-invariant slice was 0.6-0.9x as fast there
+THROUGHPUT_MIN_M = 17
+_WIDE_N = 8192
 STAGES = 3                # chunks in each warp's cp.async ring: on the H200 3 beat 4 and 6 at M = 16-64, and
                           # registers in flight (56 -> 128 registers) at M = 16-64; they tied at M <= 4
 _SLOT_BYTES = 1152        # one chunk of a warp's ring: 16 rows x (64 code bytes + 8 scale bytes)
@@ -71,7 +77,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
         return ok, reason
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        for _, nt, rw in TILES:
+        for nt, rw in VARIANTS:
             for out_dtype in (torch.bfloat16, torch.float16):
                 for tiled in (False, True):
                     _kernel(nt, rw, out_dtype, tiled, STAGES, index)
@@ -79,6 +85,19 @@ def prepare(device: torch.device) -> tuple[bool, str]:
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
     return True, reason
+
+
+def throughput_options(m: int, n: int, k: int) -> dict:
+    """`launch` overrides (rw, cps) for M tokens on an [N, K] weight where batch invariance is not asked
+    for: none up to THROUGHPUT_MIN_M - 1 (`config` and `tiles`), the measured faster tiles above. The
+    split-K slice then depends on M, so a row's bits may differ between M <= 16 and M > 16."""
+    if m < THROUGHPUT_MIN_M:
+        return {}
+    chunks, wide = k // CHUNK, n >= _WIDE_N
+    return dict(rw=16 if wide else 8, cps=min(chunks, 16 if wide or chunks >= 48 else 8))
+
+
+VARIANTS = sorted({(nt, rw) for _, nt, rw in TILES} | {(TILES[-1][1], 16)})   # (NT, RW) that `prepare` compiles
 
 
 def shape_ok(n: int, k: int) -> bool:

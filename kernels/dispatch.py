@@ -182,10 +182,10 @@ class TritonHopperBackend:
 
     @staticmethod
     def prepare(device: torch.device, op: str) -> None:
-        """For linears: compile and load the CUDA decode kernels (`cuda_mma.prepare`) once per device, so
-        forwards and CUDA-graph captures never compile; without them the decode path falls back to the
-        Triton GEMV."""
-        if op == "linear":
+        """For linears and MoE: compile and load the CUDA decode kernels (`cuda_mma.prepare`) once per
+        device, so forwards and CUDA-graph captures never compile; without them decode falls back to the
+        Triton GEMV (linear) and the grouped Triton GEMM (MoE above the pairs' sizes)."""
+        if op in ("linear", "moe"):
             from . import triton_gemm
             triton_gemm._mma_supported(device)
 

@@ -328,13 +328,16 @@ def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch
 
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None, scaling: str = "per_token",
-           amax: torch.Tensor | None = None, op_order: str = "vllm", path: str | None = None) -> torch.Tensor:
+           amax: torch.Tensor | None = None, op_order: str = "vllm", path: str | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
     """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
     in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
     op_order: the activation quantizer's, "vllm" (the spec) or "te".
     path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`), "gemv" (M <=
-    triton_gemv.GEMV_KERNEL_MAX_M), "packed" or "bf16" (per token only); default `linear_path`."""
+    triton_gemv.GEMV_KERNEL_MAX_M), "packed" or "bf16" (per token only); default `linear_path`.
+    batch_invariant: the mma path keeps `cuda_mma.config`'s split-K at every M (strict mode) instead of
+    `cuda_mma.throughput_options`' faster one above 16 tokens."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
     if scaling not in ACTIVATION_SCALINGS:
@@ -353,7 +356,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
             raise ValueError("the mma path implements per-token scaling only")
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias)
+        tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape)
+        cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
     elif path == "bf16":
         if scaling != "per_token":
             raise ValueError("the bf16 path implements per-token scaling only")

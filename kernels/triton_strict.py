@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     x2 = x.reshape(-1, x.shape[-1])
     a2 = None if amax is None else amax.reshape(-1)
     parts = [triton_gemm.linear(x2[i:i + CHUNK_TOKENS], w, bias=bias, op_order=op_order, path="mma",
-                                amax=None if a2 is None else a2[i:i + CHUNK_TOKENS])
+                                amax=None if a2 is None else a2[i:i + CHUNK_TOKENS], batch_invariant=True)
              for i in range(0, max(x2.shape[0], 1), CHUNK_TOKENS)]
     return _cat(parts).reshape(*x.shape[:-1], w.shape[0])
 

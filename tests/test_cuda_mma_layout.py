@@ -108,6 +108,7 @@ def test_tiled_words_decode_to_the_same_pairs():
 @pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32", [
     (1, 4, 1, 0, cuda_mma.STAGES, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0), (2, 8, 0, 0, 8, 0), (1, 4, 1, 1, 2, 0),
     (4, 8, 1, 0, cuda_mma.STAGES, 0), (8, 8, 1, 1, cuda_mma.STAGES, 0),     # 64 tokens a CTA (tiled, as engines store)
+    (4, 16, 1, 1, cuda_mma.STAGES, 0),                                      # `throughput_options` on wide weights
     (1, 4, 0, 0, cuda_mma.STAGES, 1)])                                      # the grouped MoE's fp32 output
 def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32):
     res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
@@ -155,6 +156,24 @@ def test_tiles_cover_every_m():
         cuda_mma.tiles(1, rw=17)
 
 
+def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
+    """The default path's faster launch above 16 tokens (not batch-invariant): wide weights 16 warps and
+    16-chunk slices, others 8 and 8 (16 from K = 6144); every (NT, RW) a forward may take is compiled
+    by `prepare`, and its shared memory fits."""
+    assert cuda_mma.throughput_options(16, 24576, 4096) == {}
+    assert cuda_mma.throughput_options(17, 24576, 4096) == dict(rw=16, cps=16)
+    assert cuda_mma.throughput_options(64, 4096, 2048) == dict(rw=8, cps=8)
+    assert cuda_mma.throughput_options(64, 2048, 6144) == dict(rw=8, cps=16)
+    assert cuda_mma.throughput_options(64, 16384, 512) == dict(rw=16, cps=4)       # no more chunks than K has
+    for m in range(1, 65):
+        for n, k in ((24576, 4096), (4096, 12288), (2048, 2048)):
+            opt = cuda_mma.throughput_options(m, n, k)
+            nt, rw = cuda_mma.tiles(m, rw=opt.get("rw"))
+            assert (nt, rw) in cuda_mma.VARIANTS
+            cps = cuda_mma.config(n, k, cps=opt.get("cps"))["CPS"]
+            assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
+
+
 def test_tiled_order_is_what_the_kernel_indexes():
     """tile_weight puts row n0 + g + 8 * half, chunk c, thread t's 16 code bytes (2 scale bytes) at the
     kernel's w_index, and tile_weight of the tiled weight inverts it."""
@@ -179,3 +198,18 @@ def test_tiled_order_is_what_the_kernel_indexes():
     back = cuda_mma.tile_weight(tw)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.block_scales.view(torch.uint8), wsc)
     assert "((((size_t)(n0 >> 4) * (K >> 7) + c) * 2 + half) * 8 + g) * 4 + t" in SOURCE
+
+
+def test_moe_path_falls_back_where_cuda_mma_cannot_run():
+    """The MoE default path by (token, expert) pairs: the per-pair GEMVs up to PAIRED_MAX_PAIRS; above,
+    the tensor-core kernel only where `mma_fits` (here, on the CPU, never: the grouped GEMM)."""
+    import torch
+    pytest.importorskip("triton")
+    from nvfp4_sampler.kernels import reference, triton_gemv, triton_moe
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    w13, w2 = reference.quantize_weight(torch.randn(4, 256, 256)), reference.quantize_weight(torch.randn(4, 256, 128))
+    assert not triton_moe.mma_fits(x, w13, w2)
+    assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS, x, w13, w2) == "pairs"
+    assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS + 1, x, w13, w2) == "grouped"
+    with pytest.raises(ValueError, match="mma MoE"):
+        triton_moe.moe(x, w13, w2, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int64), path="mma")

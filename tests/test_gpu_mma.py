@@ -111,14 +111,17 @@ def test_mma_fp16_output(mods):
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288)])
 def test_mma_is_batch_invariant(mods, n, k):
-    """Row r of a batch equals the same row computed alone, bitwise, whatever the batch size."""
+    """batch_invariant=True (strict mode): row r of a batch equals the same row computed alone, bitwise,
+    whatever the batch size. The default takes `throughput_options` above 16 rows: within the bound."""
     _, tg, _ = mods
     x = _x(40, k, seed=3)
     w = _w(n, k, seed=4, per_row=True)
-    alone = torch.cat([tg.linear(x[i:i + 1], w, path="mma") for i in range(40)])
+    alone = torch.cat([tg.linear(x[i:i + 1], w, path="mma", batch_invariant=True) for i in range(40)])
     for m in (2, 7, 16, 40):
-        assert torch.equal(tg.linear(x[:m], w, path="mma"), alone[:m]), f"batch {m}"
-    assert torch.equal(tg.linear(x[5:21], w, path="mma"), alone[5:21]), "other companions"
+        assert torch.equal(tg.linear(x[:m], w, path="mma", batch_invariant=True), alone[:m]), f"batch {m}"
+    assert torch.equal(tg.linear(x[5:21], w, path="mma", batch_invariant=True), alone[5:21]), "other companions"
+    assert torch.equal(tg.linear(x[:16], w, path="mma"), alone[:16])          # the same launch up to 16 rows
+    _check(tg.linear(x, w, path="mma"), x, w, None)
 
 
 def test_linear_takes_mma_for_decode(mods):
@@ -152,7 +155,8 @@ def test_dequantize_tiled_equals_the_modelopt_dequantizer(mods, n, k):
 @pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
 def test_hopper_mma_backend_linear(mods, m):
     """The backend engines pick for dense layers: tiled weights, mma up to 64 tokens (M = 1 included),
-    the exact-BF16 path beyond; within the bound of the reference, and each row batch-invariant up to 64."""
+    the exact-BF16 path beyond; within the bound of the reference, and each row batch-invariant up to 16
+    (above, `cuda_mma.throughput_options` changes the split-K slice)."""
     cuda_mma, _, _ = mods
     from nvfp4_sampler.kernels import dispatch
     x, w = _x(m, 2048, seed=21), _w(640, 2048, seed=22, per_row=True)
@@ -161,7 +165,7 @@ def test_hopper_mma_backend_linear(mods, m):
     bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
     got = be.linear(x, cuda_mma.tile_weight(w), bias=bias, scaling="per_token")
     _check(got, x, w, bias)
-    if m <= 64:
+    if m <= 16:
         one = be.linear(x[m // 2:m // 2 + 1], cuda_mma.tile_weight(w), bias=bias, scaling="per_token")
         assert torch.equal(one, got[m // 2:m // 2 + 1])
 
@@ -190,6 +194,11 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     close = ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2 * want.abs().max()).float().mean().item()
     assert close > 0.99, f"only {close:.4f} of the outputs within tolerance"
     assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="mma"), got)
+    default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 128, mma to 2048, grouped beyond
+    assert default == {1: "pairs", 5: "pairs", 64: "mma", 300: "mma"}[tokens]
+    assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "grouped"
+    if default == "mma":
+        assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids), got)
     graph = torch.cuda.CUDAGraph()                    # as engines run decode: captured once, replayed
     with torch.cuda.graph(graph):
         captured = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="mma")
