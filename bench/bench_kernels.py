@@ -50,6 +50,8 @@ MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
 MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 64
+MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
+                                          # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
@@ -310,6 +312,9 @@ def bench_moe(log, quick: bool) -> None:
                                                           for tw, ti in routes]) / n_routes
                 except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
                     row[f"{path}_error"] = str(err)[:300]
+        if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
+            row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_mma(x, w13, w2, tw, ti, "vllm", nt=nt)
+                                                            for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -376,6 +381,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+    for r in by("moe"):
+        if "mma_nt_ms" in r:
+            print(f"  mma {r['tokens']:6d} tokens by NT (token tiles of 8 per expert tile): "
+                  + ", ".join(f"{nt}: {ms * 1e3:.1f}" for nt, ms in r["mma_nt_ms"].items()) + " us")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")

@@ -70,8 +70,8 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
 def prepare(device: torch.device) -> tuple[bool, str]:
     """Load-time set-up on `device`: the probe, every kernel variant a forward may launch compiled and
-    loaded, the split-K tickets allocated, so that no forward (and no CUDA-graph capture) compiles or
-    allocates them. (ok, reason)."""
+    loaded (dense: bf16/fp16 out, both layouts; grouped MoE: fp32 out, ModelOpt), the split-K tickets
+    allocated, so that no forward (and no CUDA-graph capture) compiles or allocates them. (ok, reason)."""
     ok, reason = supported(device)
     if not ok:
         return ok, reason
@@ -81,6 +81,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
             for out_dtype in (torch.bfloat16, torch.float16):
                 for tiled in (False, True):
                     _kernel(nt, rw, out_dtype, tiled, STAGES, index)
+        _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -97,6 +98,8 @@ def throughput_options(m: int, n: int, k: int) -> dict:
     return dict(rw=16 if wide else 8, cps=min(chunks, 16 if wide or chunks >= 48 else 8))
 
 
+GROUPED_NT = 1            # token tiles of 8 per expert tile of the grouped (MoE) launch, `triton_moe._moe_mma`:
+                          # decode batches give an expert a few rows
 VARIANTS = sorted({(nt, rw) for _, nt, rw in TILES} | {(TILES[-1][1], 16)})   # (NT, RW) that `prepare` compiles
 
 

@@ -98,7 +98,6 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     return y[pos].view(t, k, h).sum(1).to(x.dtype)
 
 
-MMA_NT = 1          # token tiles of 8 per expert tile in `_moe_mma`: decode batches give an expert a few rows
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 
@@ -120,10 +119,10 @@ def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 
 
 def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, op_order: str) -> torch.Tensor:
+             topk_ids: torch.Tensor, op_order: str, *, nt: int | None = None) -> torch.Tensor:
     """MoE on the tensor-core kernel (`cuda_mma`): the (token, slot) pairs sorted by expert in tiles of
-    8 * MMA_NT rows (`moe_schedule`); x quantized once per token into exact fp16 values and gathered into
-    that order; w13 into fp32 [P, 2I]; SwiGLU in fp32 as the spec computes it, rounded to x's dtype;
+    8 * nt rows (`moe_schedule`; nt: a benchmark override of `cuda_mma.GROUPED_NT`, every bit the same); x
+    quantized once per token into exact fp16 values and gathered into that order; w13 into fp32 [P, 2I]; SwiGLU in fp32 as the spec computes it, rounded to x's dtype;
     that quantized per row; w2 into fp32 [P, H]; each pair times its router weight, the k pairs of a
     token summed in fp32. Deterministic: the kernel's fixed split-K order, a stable sort."""
     from . import cuda_mma
@@ -134,17 +133,18 @@ def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: t
                          f"{w2.layout} {tuple(w2.shape)}, {x.device}")
     t, h = x.shape
     e, k, inter = w13.shape[0], topk_ids.shape[1], w13.shape[1] // 2
-    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, 8 * MMA_NT)
+    nt = nt or cuda_mma.GROUPED_NT
+    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, 8 * nt)
     schedule = torch.stack([tile_expert, tile_start, tile_end])
     token = order // k
     a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16)
     h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
     cuda_mma.launch(a.values.index_select(0, token), a.global_scale.index_select(0, token), w13, h13,
-                    schedule=schedule, nt=MMA_NT)
+                    schedule=schedule, nt=nt)
     act = (torch.nn.functional.silu(h13[:, :inter]) * h13[:, inter:]).to(x.dtype)
     b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    cuda_mma.launch(b.values, b.global_scale, w2, y, schedule=schedule, nt=MMA_NT)
+    cuda_mma.launch(b.values, b.global_scale, w2, y, schedule=schedule, nt=nt)
     y *= topk_weights.reshape(-1)[order].float()[:, None]
     pos = torch.empty_like(order)
     pos[order] = torch.arange(t * k, device=x.device)

@@ -109,7 +109,8 @@ def test_tiled_words_decode_to_the_same_pairs():
     (1, 4, 1, 0, cuda_mma.STAGES, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0), (2, 8, 0, 0, 8, 0), (1, 4, 1, 1, 2, 0),
     (4, 8, 1, 0, cuda_mma.STAGES, 0), (8, 8, 1, 1, cuda_mma.STAGES, 0),     # 64 tokens a CTA (tiled, as engines store)
     (4, 16, 1, 1, cuda_mma.STAGES, 0),                                      # `throughput_options` on wide weights
-    (1, 4, 0, 0, cuda_mma.STAGES, 1)])                                      # the grouped MoE's fp32 output
+    (1, 4, 0, 0, cuda_mma.STAGES, 1), (2, 8, 0, 0, cuda_mma.STAGES, 1),      # the grouped MoE's fp32 output
+    (4, 8, 0, 0, cuda_mma.STAGES, 1)])                                      # (NT 1, 2, 4: bench_moe's sweep)
 def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32):
     res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
                           f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}", f"-DSTAGES={stages}",
