@@ -4,7 +4,7 @@ Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch pe
 program row per (token, expert) pair, activations quantized inside the launches.
 Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it): `_moe_mma`,
 the tensor-core kernel of the dense decode over 8-row tiles of each expert's rows, each active expert's
-weights read once per tile (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16
+weights read once per tile, in six launches (`schedule_rows`, two quantizers, two GEMMs, `combine`) (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16
 grouped GEMM; 16 tokens: 214 vs 173 us for the pairs).
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
@@ -21,6 +21,8 @@ Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import triton_gemm, triton_gemv, triton_quant
 from .format import NVFP4Tensor
@@ -55,6 +57,85 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     tile_start = torch.where(valid, start, 0).to(torch.int32)
     tile_end = torch.where(valid, ends[e], 0).to(torch.int32)
     return order, e.to(torch.int32), tile_start, tile_end
+
+
+SCHEDULE_MAX_PAIRS = 4096   # `schedule_rows` sorts the pairs in one program (registers); beyond, `moe_schedule`
+
+
+@triton.jit
+def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
+                     P_PAD: tl.constexpr, E_PAD: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: `moe_schedule`'s stable sort by expert (keys expert * P_PAD + pair), the per-expert
+    row ranges and tiles, and the inverse permutation, in one launch instead of ~30 torch ops."""
+    i = tl.arange(0, P_PAD)
+    valid = i < P
+    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    order = tl.sort(tl.where(valid, ids * P_PAD + i, E_PAD * P_PAD + i)) % P_PAD   # padding sorts last
+    tl.store(order_ptr + i, order, mask=valid)
+    tl.store(pos_ptr + order, i, mask=valid)
+    counts = tl.histogram(ids, E_PAD, mask=valid)
+    ends = tl.cumsum(counts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    first = (ends - counts) - (tile_ends - tiles) * BLOCK_M      # row of tile t of expert e: first + t * BLOCK_M
+    experts = tl.arange(0, E_PAD)
+    for z0 in range(0, Z, Z_BLOCK):
+        t = z0 + tl.arange(0, Z_BLOCK)
+        te = tl.sum((tile_ends[None, :] <= t[:, None]).to(tl.int32), axis=1)        # searchsorted(right=True)
+        hot = experts[None, :] == te[:, None]                                         # none where te >= E_PAD
+        ok = te < E
+        start = tl.where(ok, tl.sum(tl.where(hot, first[None, :], 0), axis=1) + t * BLOCK_M, 0)
+        end = tl.where(ok, tl.sum(tl.where(hot, ends[None, :], 0), axis=1), 0)
+        m = t < Z
+        tl.store(sched_ptr + t, tl.minimum(te, E - 1), mask=m)
+        tl.store(sched_ptr + Z + t, start, mask=m)
+        tl.store(sched_ptr + 2 * Z + t, end, mask=m)
+
+
+def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`moe_schedule` as `cuda_mma.launch` takes it: (order int32 [P], pos int32 [P] its inverse
+    (pos[order[s]] = s), schedule int32 [3, P // block_m + E]). Up to SCHEDULE_MAX_PAIRS pairs in one
+    launch (`_schedule_kernel`), beyond from `moe_schedule`'s torch ops; both give the same values."""
+    p = topk_ids.numel()
+    dev = topk_ids.device
+    if not 0 < p <= SCHEDULE_MAX_PAIRS:
+        order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, num_experts, block_m)
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(p, device=dev)
+        return order.to(torch.int32), pos.to(torch.int32), torch.stack([tile_expert, tile_start, tile_end])
+    z = p // block_m + num_experts
+    order = torch.empty(p, dtype=torch.int32, device=dev)
+    pos = torch.empty(p, dtype=torch.int32, device=dev)
+    schedule = torch.empty((3, z), dtype=torch.int32, device=dev)
+    _schedule_kernel[(1,)](topk_ids.reshape(-1), order, pos, schedule, p, z, num_experts,
+                           P_PAD=triton.next_power_of_2(p), E_PAD=triton.next_power_of_2(num_experts),
+                           Z_BLOCK=64, BLOCK_M=block_m, num_warps=8)
+    return order, pos, schedule
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j in order of topk_weights[t, j] * y[pos[t * K_TOP + j]], fp32, one rounding."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K_TOP):
+        row = tl.load(pos_ptr + t * K_TOP + j).to(tl.int64)
+        acc += tl.load(w_ptr + t * K_TOP + j).to(tl.float32) * tl.load(y_ptr + row * H + cols, mask=m, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y fp32 [P, H] (pairs in schedule order), pos int [P] (pair -> row of y), topk_weights [T, k]
+    -> [T, H] in dtype: each token's k rows times their router weights, summed in slot order."""
+    t, k = topk_weights.shape
+    h = y.shape[1]
+    out = torch.empty((t, h), dtype=dtype, device=y.device)
+    if t:
+        _combine_kernel[(t, triton.cdiv(h, 1024))](y, pos, topk_weights.contiguous(), out, h, K_TOP=k, BLOCK_H=1024,
+                                                   num_warps=4)
+    return out
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
@@ -121,10 +202,10 @@ def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, op_order: str, *, nt: int | None = None) -> torch.Tensor:
     """MoE on the tensor-core kernel (`cuda_mma`): the (token, slot) pairs sorted by expert in tiles of
-    8 * nt rows (`moe_schedule`; nt: a benchmark override of `cuda_mma.GROUPED_NT`, every bit the same); x
-    quantized once per token into exact fp16 values and gathered into that order; w13 into fp32 [P, 2I]; SwiGLU in fp32 as the spec computes it, rounded to x's dtype;
-    that quantized per row; w2 into fp32 [P, H]; each pair times its router weight, the k pairs of a
-    token summed in fp32. Deterministic: the kernel's fixed split-K order, a stable sort."""
+    8 * nt rows (`schedule_rows`; nt: a benchmark override of `cuda_mma.GROUPED_NT`, every bit the same);
+    x's rows quantized in that order into exact fp16 values (a token's k rows alike); w13 into fp32
+    [P, 2I]; SwiGLU in fp32 rounded to x's dtype and quantized per row in one pass; w2 into fp32 [P, H]; each token's k rows times their router weights summed in slot order (`combine`).
+    Deterministic: the kernel's fixed split-K order, a stable sort."""
     from . import cuda_mma
 
     if not mma_fits(x, w13, w2):
@@ -134,21 +215,14 @@ def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: t
     t, h = x.shape
     e, k, inter = w13.shape[0], topk_ids.shape[1], w13.shape[1] // 2
     nt = nt or cuda_mma.GROUPED_NT
-    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, 8 * nt)
-    schedule = torch.stack([tile_expert, tile_start, tile_end])
-    token = order // k
-    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16)
+    order, pos, schedule = schedule_rows(topk_ids, e, 8 * nt)
+    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
     h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
-    cuda_mma.launch(a.values.index_select(0, token), a.global_scale.index_select(0, token), w13, h13,
-                    schedule=schedule, nt=nt)
-    act = (torch.nn.functional.silu(h13[:, :inter]) * h13[:, inter:]).to(x.dtype)
-    b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
+    cuda_mma.launch(a.values, a.global_scale, w13, h13, schedule=schedule, nt=nt)
+    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     cuda_mma.launch(b.values, b.global_scale, w2, y, schedule=schedule, nt=nt)
-    y *= topk_weights.reshape(-1)[order].float()[:, None]
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(t * k, device=x.device)
-    return y[pos].view(t, k, h).sum(1).to(x.dtype)
+    return combine(y, pos, topk_weights, x.dtype)
 
 
 def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,

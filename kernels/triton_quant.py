@@ -156,17 +156,26 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
               ROWS: tl.constexpr, NB_PAD: tl.constexpr, AMAX_MODE: tl.constexpr, SWIZZLE: tl.constexpr,
-              WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr, TE: tl.constexpr):
-    """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers)."""
+              WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr, TE: tl.constexpr,
+              GATHER: tl.constexpr, SWIGLU: tl.constexpr, ACT_BF16: tl.constexpr):
+    """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers). GATHER: output row r
+    reads input row index[r]. SWIGLU: an input row is [gate (K) | up (K)] and the row quantized is
+    silu(gate) * up in fp32, rounded to bf16 (ACT_BF16) or fp16, as `reference.moe` computes it."""
     rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
     blocks = tl.arange(0, NB_PAD)                                            # [NB]
     cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]      # [1, NB, 16]
     rmask = rows < M
     mask = rmask[:, None, None] & (cols < K)
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    src = tl.load(index_ptr + rows, mask=rmask, other=0).to(tl.int64) if GATHER else rows64
+    ptrs = x_ptr + src[:, None, None] * stride_xm + cols
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (x / (1.0 + tl.exp(-x)) * up).to(tl.bfloat16 if ACT_BF16 else tl.float16, fp_downcast_rounding="rtne")
+        x = x.to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
     if AMAX_MODE == 1:                                                       # one amax for the tensor
         s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0), TE)
@@ -174,7 +183,7 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
         gs_off = rows * 0
     else:
         if AMAX_MODE == 2:                                                   # given amax per row
-            row_amax = tl.load(amax_ptr + rows, mask=rmask, other=0.0)
+            row_amax = tl.load(amax_ptr + src, mask=rmask, other=0.0)
         else:                                                                # max|x| of the row
             row_amax = tl.max(bamax, axis=1)
         s_enc = _s_enc_from_amax(_row_amax_floor(row_amax, TE), TE)          # [R]
@@ -196,7 +205,8 @@ def _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, d
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr, stride_xm,                      # input [M, K] float, row stride
+    x_ptr, stride_xm,                      # input [M, K] float, row stride ([*, 2K] for SWIGLU)
+    index_ptr,                             # int [M]: input row of each output row (GATHER)
     amax_ptr,                              # fp32 amax: [1] of the tensor (AMAX_MODE 1), [M] per row (2)
     codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M] (or [1])
     deq_ptr,                               # output bf16 / fp16 [M, K] exact e2m1*s (WRITE_DEQ)
@@ -207,16 +217,17 @@ def _act_quant_kernel(
     PERSIST_STAGES: tl.constexpr,          # 0: one tile per program; else a persistent, pipelined loop
     TE: tl.constexpr,                      # TransformerEngine's op order (module docstring)
     PDL: tl.constexpr,                     # let a dependent launch (cuda_mma) start now: it waits for our results
+    GATHER: tl.constexpr, SWIGLU: tl.constexpr, ACT_BF16: tl.constexpr,    # `_act_tile`
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if PERSIST_STAGES == 0:
-        _act_tile(tl.program_id(0), x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                  ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE)
+        _act_tile(tl.program_id(0), x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr,
+                  M, K, ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
-            _act_tile(tile, x_ptr, stride_xm, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
-                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE)
+            _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16)
 
 
 @triton.jit
@@ -311,11 +322,15 @@ def _row_amax(amax: torch.Tensor | None, x: torch.Tensor, name: str = "amax") ->
 
 def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
                 config: dict | None = None, per_row_amax: bool = False, op_order: str = "vllm",
-                deq_dtype: torch.dtype = torch.bfloat16):
-    """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax)."""
+                deq_dtype: torch.dtype = torch.bfloat16, index: torch.Tensor | None = None,
+                swiglu: torch.dtype | None = None):
+    """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax).
+    index: int [R], quantize rows x2[index] (R rows out); swiglu: x2 rows are [gate | up] and the rows
+    quantized are silu(gate) * up rounded to this dtype (`_act_tile`)."""
     reference._check_op_order(op_order)
     cfg = config or ACT_CONFIG
-    m, k = x2.shape
+    m = x2.shape[0] if index is None else index.numel()
+    k = x2.shape[1] // 2 if swiglu else x2.shape[1]
     nb_pad = triton.next_power_of_2(k // BLOCK)
     rows = max(1, min(64, cfg["elements"] // (nb_pad * BLOCK)))
     dev = x2.device
@@ -333,10 +348,11 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
         warps = max(warps, rows * nb_pad * BLOCK // 256)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
-            x2, x2.stride(0), amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
+            x2, x2.stride(0), index, amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], TE=op_order == "te",
-            PDL=PDL, num_warps=min(16, warps))
+            PDL=PDL, GATHER=index is not None, SWIGLU=swiglu is not None, ACT_BF16=swiglu == torch.bfloat16,
+            num_warps=min(16, warps))
     return out_codes, scales, gs, out_deq
 
 
@@ -365,17 +381,27 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
 
 
 def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
-                             dtype: torch.dtype = torch.bfloat16) -> ExactRows:
+                             dtype: torch.dtype = torch.bfloat16, rows: torch.Tensor | None = None,
+                             swiglu: torch.dtype | None = None) -> ExactRows:
     """Per-token quantization of x [M, K] written as exact values e2m1(q)*s in `dtype` (bf16 for the
     large-M cuBLAS path, fp16 for `cuda_mma`) plus S_dec [M]: a tensor-core GEMM over them computes
-    the exact block products. amax, op_order: as in `quantize_per_token`."""
+    the exact block products. amax, op_order: as in `quantize_per_token`.
+    rows: int [R] on x's device: quantize x[rows] ([R, K] out) without writing the gathered copy.
+    swiglu (bf16/fp16): x is [M, 2K] fp32 (gate | up) and the rows quantized are
+    (silu(gate) * up).to(swiglu), the MoE intermediate of `reference.moe` (amax not taken)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    if swiglu is not None and (swiglu not in (torch.bfloat16, torch.float16) or x.dtype != torch.float32
+                               or x.shape[1] % (2 * BLOCK) or amax is not None):
+        raise ValueError(f"swiglu takes fp32 [M, 2K] rows, no amax, and rounds to bf16/fp16; got {x.dtype} "
+                         f"{tuple(x.shape)}, swiglu={swiglu}, amax given: {amax is not None}")
+    if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device):
+        raise ValueError(f"rows must be int32/int64 [R] on {x.device}, got {rows.dtype} {tuple(rows.shape)}")
     x2 = _check_rows(x, "x")
     _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
-                                per_row_amax=True, op_order=op_order, deq_dtype=dtype)
+                                per_row_amax=True, op_order=op_order, deq_dtype=dtype, index=rows, swiglu=swiglu)
     return ExactRows(deq, gs)
 
 

@@ -207,3 +207,33 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     captured.zero_()
     graph.replay()
     assert torch.equal(captured, got)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (64, 8, 128), (256, 8, 128), (33, 4, 60), (600, 8, 256)])
+def test_moe_glue_kernels_match_their_torch_forms(mods, tokens, top_k, experts):
+    """The tensor-core MoE's one-launch pieces on the GPU: `schedule_rows` equals `moe_schedule` (sorted
+    order, tiles, inverse), `combine` the weighted slot sum, the gathered quantizer the quantizer of the
+    gathered rows bitwise, the SwiGLU quantizer that of torch's SwiGLU rounded to bf16 (>= 99% of the values;
+    the exponentials may differ in the last bit)."""
+    from nvfp4_sampler.kernels import triton_moe
+    _, _, tq = mods
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    ids = torch.topk(torch.rand(tokens, experts, device="cuda", generator=g), top_k).indices
+    order, pos, sched = triton_moe.schedule_rows(ids, experts, 8)
+    o_ref, e_ref, s_ref, end_ref = triton_moe.moe_schedule(ids, experts, 8)
+    assert torch.equal(order.long(), o_ref) and torch.equal(sched, torch.stack([e_ref, s_ref, end_ref]))
+    assert torch.equal(order.long()[pos.long()], torch.arange(ids.numel(), device="cuda"))
+    y = torch.randn(ids.numel(), 2048, device="cuda", generator=g)
+    w = torch.rand(tokens, top_k, device="cuda", generator=g)
+    want = (y[pos.long()].view(tokens, top_k, -1) * w[..., None]).sum(1)
+    torch.testing.assert_close(triton_moe.combine(y, pos, w, torch.float32), want, rtol=top_k * 2 ** -23, atol=1e-6)
+    x = _x(tokens, 2048, seed=tokens)
+    rows = order // top_k
+    got = tq.quantize_per_token_exact(x, rows=rows, dtype=torch.float16)
+    ref = tq.quantize_per_token_exact(x.index_select(0, rows), dtype=torch.float16)
+    assert torch.equal(got.values, ref.values) and torch.equal(got.global_scale, ref.global_scale)
+    h = torch.randn(ids.numel(), 2 * 768, device="cuda", generator=g) * 4
+    got = tq.quantize_per_token_exact(h, swiglu=torch.bfloat16, dtype=torch.float16)
+    act = (torch.nn.functional.silu(h[:, :768]) * h[:, 768:]).to(torch.bfloat16)
+    ref = tq.quantize_per_token_exact(act, dtype=torch.float16)
+    assert (got.values == ref.values).float().mean().item() >= 0.99

@@ -178,6 +178,49 @@ def check_moe_pairs(op_order: str) -> None:
     assert ((strict.float() - want).norm() / want.norm()).item() < 3e-2
 
 
+def check_gathered_and_swiglu_rows(op_order: str) -> None:
+    """quantize_per_token_exact(rows=...) gives the bits of quantizing x[rows]; swiglu=... those of
+    quantizing (silu(gate) * up).to(bf16) computed in torch, up to one BF16 ulp of the intermediate (the
+    interpreter casts fp32 to bf16 by truncation, the GPU rounds to nearest even; GPU: tests/test_gpu_mma)."""
+    from nvfp4_sampler.kernels import triton_quant
+    x = _activations(torch.bfloat16, seed=7)
+    rows = torch.tensor([5, 0, 0, 3, 2, 5])
+    got = triton_quant.quantize_per_token_exact(x, rows=rows, dtype=torch.float16, op_order=op_order)
+    want = triton_quant.quantize_per_token_exact(x[rows], dtype=torch.float16, op_order=op_order)
+    assert torch.equal(got.values, want.values) and torch.equal(got.global_scale, want.global_scale)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(5, 2 * 96, generator=g) * torch.exp2(torch.tensor([0.0, 4.0, -6.0, 9.0, 1.0]))[:, None]
+    got = triton_quant.quantize_per_token_exact(h, swiglu=torch.bfloat16, dtype=torch.float16, op_order=op_order)
+    gate, up = h[:, :96], h[:, 96:]
+    act = (gate / (1.0 + torch.exp(-gate)) * up).to(torch.bfloat16)
+    want = triton_quant.quantize_per_token_exact(act, dtype=torch.float16, op_order=op_order)
+    assert (got.values == want.values).float().mean().item() >= 0.98
+    assert torch.allclose(got.global_scale, want.global_scale, rtol=2 ** -7, atol=0.0)
+
+
+def check_moe_schedule_and_combine() -> None:
+    """`schedule_rows`' one-launch sort and tiling equals `moe_schedule`'s torch ops (order, tiles, the
+    inverse) over expert counts that are not powers of two, unused experts, one pair and 4096 pairs;
+    `combine` equals the router-weighted slot sum of the pairs' rows within one fp32 rounding a slot."""
+    from nvfp4_sampler.kernels import triton_moe
+    g = torch.Generator().manual_seed(5)
+    for tokens, top_k, experts, block_m in ((1, 1, 4, 8), (3, 2, 60, 8), (64, 8, 128, 8), (40, 4, 16, 16),
+                                             (512, 8, 128, 8), (7, 8, 256, 32)):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+        ids[: tokens // 2] %= max(1, experts // 3)                 # crowd some experts, leave others unused
+        order, pos, sched = triton_moe.schedule_rows(ids, experts, block_m)
+        o_ref, e_ref, s_ref, end_ref = triton_moe.moe_schedule(ids, experts, block_m)
+        assert torch.equal(order.long(), o_ref), (tokens, top_k, experts)
+        assert torch.equal(sched, torch.stack([e_ref, s_ref, end_ref])), (tokens, top_k, experts)
+        assert torch.equal(order.long()[pos.long()], torch.arange(ids.numel()))
+        h = 48
+        y = torch.randn(ids.numel(), h, generator=g)
+        w = torch.rand(tokens, top_k, generator=g).to(torch.bfloat16)
+        got = triton_moe.combine(y, pos, w, torch.float32)
+        want = (y[pos.long()].view(tokens, top_k, h) * w.float()[..., None]).sum(1)
+        assert torch.allclose(got, want, rtol=top_k * 2 ** -23, atol=1e-6), (tokens, top_k, experts)
+
+
 def check_weight_into(op_order: str) -> None:
     """quantize_weight(out=...) writes the reference's bits into views: stacked experts [E, 2R, K]
     as [2E, R, K] matrices (one launch per fused entry) and a row slice of a fused qkv."""
@@ -218,5 +261,7 @@ if __name__ == "__main__":
         check_gemv(order)
         check_moe_pairs(order)
         check_weight_into(order)
+        check_gathered_and_swiglu_rows(order)
     check_packed_split_k()
+    check_moe_schedule_and_combine()
     print("interpreter checks passed")
