@@ -6,6 +6,8 @@ import pytest
 
 from bench import bench_vllm_e2e as e2e
 
+_GLUE = "MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)"
+
 
 @pytest.mark.parametrize("kernel,category", [
     ("w4a16_mma", "nvfp4 GEMMs (linears, MoE experts)"),
@@ -20,6 +22,11 @@ from bench import bench_vllm_e2e as e2e
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms, rotary, activations, elementwise (compiled)"),
     ("void at::native::vectorized_elementwise_kernel<4, ...>", "norms, rotary, activations, elementwise (compiled)"),
     ("Memcpy DtoD (Device -> Device)", "other"),
+    ("fused_moe_kernel", "bf16 gemm (cuBLAS / lm_head / router)"),
+    ("void vllm::moe::topkGating<8, 128, 4, 16, 32, int, __nv_bfloat16, (vllm::moe::Sc", _GLUE),
+    ("void vllm::moe::moe_align_block_size_kernel<int>(int const*, int*, int*, int*, i", _GLUE),
+    ("_schedule_kernel", _GLUE),
+    ("_combine_kernel", _GLUE),
 ])
 def test_kernel_categories(kernel, category):
     assert e2e._category(kernel) == category
