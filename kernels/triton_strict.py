@@ -4,16 +4,19 @@ the batch, or prefill vs decode; so a token's outputs are the same bits alone, i
 decode step and in a whole-sequence recomputation (`SamplerConfig.strict`, docs/NUMERICS.md).
 
     linear(x [..., K], w [N, K] NVFP4) -> [..., N]      every M on `cuda_mma` (`triton_gemm` path "mma")
-    moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], ...) -> [T, H]    per-pair GEMVs (`triton_moe._moe_pairs`)
+    moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], ...) -> [T, H]    `cuda_mma` over expert tiles (`triton_moe._moe_mma`)
+                                                                    where it fits, else per-pair GEMVs
 
 Activation quantization is per token (row-invariant: a row's amax is a max, exact in any order).
 linear: `cuda_mma`'s summation order depends on (N, K) only (k16 steps in order, split-K planes added
 in plane order); M only sets how many token tiles run, so every M takes it (M = 1 included, where the
 default path takes the Triton GEMV), in launches of at most CHUNK_TOKENS tokens because its fp32
-split-K planes grow with M x N. moe: one GEMV per (token, expert) pair with the launch configuration
-of one token's pairs at every T (the default path sizes split-K by T and switches to the grouped GEMM
-above 128 pairs), the k expert outputs of a token added in its router's slot order one addition at a
-time, in launches of at most CHUNK_PAIRS pairs (split-K workspace). Cost: see docs/NUMERICS.md.
+split-K planes grow with M x N. moe: every T on `triton_moe._moe_mma` (bf16/fp16 x, ModelOpt experts of
+`cuda_mma`'s shape contract): the same kernel, whose rows keep their order whichever rows share a tile,
+row-wise quantizers, and the k expert outputs of a token added in its router's slot order (`combine`);
+otherwise one GEMV per (token, expert) pair with the launch configuration of one token's pairs at every
+T, the k outputs added one at a time in slot order (the default path sizes split-K by T and switches
+paths by size). Both in launches of at most CHUNK_PAIRS pairs (split-K workspace). Cost: docs/NUMERICS.md.
 """
 from __future__ import annotations
 
@@ -44,8 +47,13 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
     tokens = max(1, CHUNK_PAIRS // topk_ids.shape[1])
-    return _cat([triton_moe._moe_pairs(x[i:i + tokens], w13, w2, topk_weights[i:i + tokens], topk_ids[i:i + tokens],
-                                       op_order, strict=True) for i in range(0, max(x.shape[0], 1), tokens)])
+    mma = triton_moe.mma_fits(x, w13, w2)
+
+    def part(i: int) -> torch.Tensor:
+        args = x[i:i + tokens], w13, w2, topk_weights[i:i + tokens], topk_ids[i:i + tokens], op_order
+        return triton_moe._moe_mma(*args) if mma else triton_moe._moe_pairs(*args, strict=True)
+
+    return _cat([part(i) for i in range(0, max(x.shape[0], 1), tokens)])
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
