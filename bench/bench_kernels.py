@@ -305,15 +305,15 @@ def bench_moe(log, quick: bool) -> None:
         row = dict(tokens=t, ours_ms=ours, path=triton_moe.moe_path(t * k, x, w13, w2))
         if t <= 64:                               # the per-pair decode path, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
-        if t >= 16:                               # the grouped Triton GEMM and the tensor-core kernel (forced)
-            for path in ("grouped", "mma"):
+        if t >= 16:                               # the grouped Triton GEMM, the tensor-core kernels (forced)
+            for path in ("grouped", "mma", "exact"):
                 try:
                     row[f"{path}_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path=path)
                                                           for tw, ti in routes]) / n_routes
                 except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
                     row[f"{path}_error"] = str(err)[:300]
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
-            row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_mma(x, w13, w2, tw, ti, "vllm", nt=nt)
+            row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
@@ -374,13 +374,13 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for note in notes:
         print(f"  note: {note}")
     print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768); us, speedup = BF16 grouped / ours\n"
-          "  tokens   ours  path     pairs  grouped      mma  bf16 grouped  speedup   ref")
+          "  tokens   ours  path     pairs  grouped      mma    exact  bf16 grouped  speedup   ref")
     us = lambda r, key: f"{r[key] * 1e3:8.1f}" if key in r else f"{'-':>8s}"
     for r in by("moe"):
         speed = f"{r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else f"{'error':>9s}"
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
-              f"{us(r, 'mma_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+              f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
     for r in by("moe"):
         if "mma_nt_ms" in r:
             print(f"  mma {r['tokens']:6d} tokens by NT (token tiles of 8 per expert tile): "

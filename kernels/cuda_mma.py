@@ -98,7 +98,7 @@ def throughput_options(m: int, n: int, k: int) -> dict:
     return dict(rw=16 if wide else 8, cps=min(chunks, 16 if wide or chunks >= 48 else 8))
 
 
-GROUPED_NT = 1            # token tiles of 8 per expert tile of the grouped (MoE) launch, `triton_moe._moe_mma`:
+GROUPED_NT = 1            # token tiles of 8 per expert tile of the grouped (MoE) launch, `triton_moe._moe_tiled`:
                           # decode batches give an expert a few rows
 VARIANTS = sorted({(nt, rw) for _, nt, rw in TILES} | {(TILES[-1][1], 16)})   # (NT, RW) that `prepare` compiles
 
@@ -321,7 +321,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
 
 def dequantize(w: NVFP4Tensor) -> torch.Tensor:
     """A "mma_tiled" w [N, K] as bf16 [N, K] in row-major order: e2m1 * block scale, exact, without
-    the global scale (as `triton_gemm.dequantize_bf16` gives for a ModelOpt weight)."""
+    the global scale (as `triton_gemm.dequantize_exact` gives for a ModelOpt weight)."""
     n, k = w.shape
     if w.layout != "mma_tiled" or w.codes.dim() != 2 or not shape_ok(n, k) or not w.codes.is_contiguous():
         raise ValueError(f"dequantize needs a contiguous mma_tiled weight [N, K], got {w.layout} {tuple(w.shape)}")

@@ -4,7 +4,7 @@ over all paths.
 
     linear(x [..., K] float, w [N, K] NVFP4) -> [..., N]        picks a path by `linear_path`
     launch_w4a4(a [Ma, K] NVFP4, w [N, K] or [E, W_ROWS, K] NVFP4, out [R, N])   the packed kernel
-    dequantize_bf16(w [..., K] NVFP4) -> exact BF16 [..., K]
+    dequantize_exact(w [..., K] NVFP4) -> exact BF16 / FP16 [..., K]
 
 Exact emulation: e2m1(q) * float(s) has at most 6 significant bits, so it is exact in FP16 (and
 BF16); the tensor cores multiply those exactly and accumulate in FP32; the FP32 second-level
@@ -192,7 +192,7 @@ def _w4a4_kernel(
 
 @triton.jit
 def _dequant_bf16_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16 [ROWS, K] = e2m1 * s (exact)."""
+    """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16/fp16 [ROWS, K] = e2m1 * s (exact)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     kb = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
@@ -203,7 +203,7 @@ def _dequant_bf16_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLO
     lo, hi = _decode(c, s, False)
     vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out + r64[:, None] * K + kk[None, :], vals.to(tl.bfloat16), mask=rmask[:, None] & (kk < K)[None, :])
+    tl.store(out + r64[:, None] * K + kk[None, :], vals.to(out.dtype.element_ty), mask=rmask[:, None] & (kk < K)[None, :])
 
 
 @triton.jit
@@ -283,13 +283,16 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
     return out
 
 
-def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
-    """e2m1(q) * float(s) of w [..., K] as exact BF16 [..., K] (second-level scale not applied)."""
+def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """e2m1(q) * float(s) of w [..., K] as exact BF16 or FP16 [..., K] (second-level scale not applied:
+    every such product, 2^-10 .. 2688 with <= 6 significant bits, is exact in both)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if w.layout == "mma_tiled":
-        return cuda_mma.dequantize(w)
+        return cuda_mma.dequantize(w).to(dtype)
     k = w.shape[-1]
     codes = w.codes.reshape(-1, k // 2)
-    out = torch.empty((codes.shape[0], k), dtype=torch.bfloat16, device=codes.device)
+    out = torch.empty((codes.shape[0], k), dtype=dtype, device=codes.device)
     block_k = min(512, triton.next_power_of_2(k))
     if codes.numel():
         _dequant_bf16_kernel[(triton.cdiv(codes.shape[0], 16), triton.cdiv(k, block_k))](
@@ -301,7 +304,7 @@ def dequantize_bf16(w: NVFP4Tensor) -> torch.Tensor:
 def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  amax: torch.Tensor | None, op_order: str) -> torch.Tensor:
     a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order)
-    acc = torch.mm(a.values, dequantize_bf16(w).t(), out_dtype=torch.float32)
+    acc = torch.mm(a.values, dequantize_exact(w).t(), out_dtype=torch.float32)
     m, n = acc.shape
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
     gs = w.global_scale

@@ -2,10 +2,12 @@
 
 Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
 program row per (token, expert) pair, activations quantized inside the launches.
-Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it): `_moe_mma`,
-the tensor-core kernel of the dense decode over 8-row tiles of each expert's rows, each active expert's
-weights read once per tile, in six launches (`schedule_rows`, two quantizers, two GEMMs, `combine`) (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16
-grouped GEMM; 16 tokens: 214 vs 173 us for the pairs).
+Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it):
+`_moe_tiled`, the tensor-core kernel of the dense decode over 8-row tiles of each expert's rows, each
+active expert's weights read once per tile, in six launches (`schedule_rows`, two quantizers, two GEMMs,
+`combine`) (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16 grouped GEMM;
+16 tokens: 214 vs 173 us for the pairs). path="exact" (forced only until measured): the same six steps
+with a Triton FP16 tensor-core GEMM over 64-row tiles against the experts dequantized to exact FP16.
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`moe_schedule`)
@@ -138,13 +140,61 @@ def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtyp
     return out
 
 
+EXACT_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)   # "exact" path tiles
+
+
+@triton.jit
+def _grouped_exact_kernel(a, a_gs, w, w_gs, stride_gs_e, stride_gs_n, out, sched, Z, N, K,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [P, N] fp32 = ((a @ w[e].T) * a_gs[row]) * w_gs[e, n] over the tiles of `sched` ([3, Z]: expert,
+    first row, end row), a: exact fp16 rows [P, K], w: exact fp16 unscaled experts [E, N, K]; the
+    products exact, fp32 accumulation (tensor cores), one rounding in the epilogue."""
+    pid_m = tl.program_id(0)
+    e = tl.load(sched + pid_m)
+    r0 = tl.load(sched + Z + pid_m)
+    r1 = tl.load(sched + 2 * Z + pid_m)
+    if r0 >= r1:                                   # an unused tile of the schedule
+        return
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    a_row = a + rows.to(tl.int64)[:, None] * K
+    w_row = w + (e.to(tl.int64) * N + cols)[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+        a_t = tl.load(a_row + kk, mask=rmask[:, None], other=0.0)
+        w_t = tl.load(w_row + kk, mask=cmask[:, None], other=0.0)
+        acc = tl.dot(a_t, tl.trans(w_t), acc)
+    a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
+    w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
+    tl.store(out + rows.to(tl.int64)[:, None] * N + cols[None, :], (acc * a_g[:, None]) * w_g[None, :],
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def _launch_exact(a, w: NVFP4Tensor, out: torch.Tensor, schedule: torch.Tensor) -> None:
+    """`_grouped_exact_kernel` for exact rows `a` (triton_quant.ExactRows, fp16) against stacked experts w
+    [E, N, K] (ModelOpt), dequantized to exact FP16 here (no second-level scale), into fp32 out [P, N]."""
+    e, n, k = w.shape
+    gs = w.global_scale
+    cfg = dict(EXACT_BLOCK)
+    if k % cfg["BLOCK_K"]:
+        raise ValueError(f"the exact MoE path needs K % {cfg['BLOCK_K']} == 0, got K={k}")
+    z = schedule.shape[1]
+    _grouped_exact_kernel[(z, triton.cdiv(n, cfg["BLOCK_N"]))](
+        a.values, a.global_scale, triton_gemm.dequantize_exact(w, torch.float16), gs, gs.stride(0), 0 if gs.dim() == 1 else gs.stride(1),
+        out, schedule, z, n, k, **cfg)
+
+
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, *, op_order: str = "vllm", path: str | None = None) -> torch.Tensor:
     """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
     or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
     op_order: the per-token activation quantizer's, "vllm" or "te". path: None (by size: "pairs" up to
     PAIRED_MAX_PAIRS (token, expert) pairs, "mma" up to MMA_MAX_PAIRS where `mma_fits`, else "grouped"),
-    or one forced: "pairs", "grouped", "mma" (what `mma_fits` checks).
+    or one forced: "pairs", "grouped", "mma" (what `mma_fits` checks), "exact" (bf16/fp16 x, ModelOpt
+    weights with H, I % 64 == 0: `_moe_tiled`'s FP16 tensor-core GEMM, a candidate for large batches).
     Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -155,11 +205,11 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     k = topk_ids.shape[1]
     p = t * k
-    if path not in (None, "pairs", "grouped", "mma"):
-        raise ValueError(f"path must be None, 'pairs', 'grouped' or 'mma', got {path!r}")
+    if path not in (None, "pairs", "grouped", "mma", "exact"):
+        raise ValueError(f"path must be None, 'pairs', 'grouped', 'mma' or 'exact', got {path!r}")
     path = path or moe_path(p, x, w13, w2)
-    if path == "mma":
-        return _moe_mma(x, w13, w2, topk_weights, topk_ids, op_order)
+    if path in ("mma", "exact"):
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm=path)
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
@@ -191,7 +241,7 @@ def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 
 
 def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
-    """`_moe_mma` can run: bf16/fp16 x, ModelOpt weights of `cuda_mma`'s shape contract, on a device
+    """`_moe_tiled(gemm="mma")` can run: bf16/fp16 x, ModelOpt weights of `cuda_mma`'s shape contract, on a device
     where `cuda_mma` is prepared (`triton_gemm._mma_supported`, at load time through `dispatch`)."""
     from . import cuda_mma, triton_gemm
     return (x.dtype in (torch.bfloat16, torch.float16) and w13.layout == "modelopt" and w2.layout == "modelopt"
@@ -199,29 +249,42 @@ def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
             and triton_gemm._mma_supported(x.device))
 
 
-def _moe_mma(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, op_order: str, *, nt: int | None = None) -> torch.Tensor:
-    """MoE on the tensor-core kernel (`cuda_mma`): the (token, slot) pairs sorted by expert in tiles of
-    8 * nt rows (`schedule_rows`; nt: a benchmark override of `cuda_mma.GROUPED_NT`, every bit the same);
-    x's rows quantized in that order into exact fp16 values (a token's k rows alike); w13 into fp32
-    [P, 2I]; SwiGLU in fp32 rounded to x's dtype and quantized per row in one pass; w2 into fp32 [P, H]; each token's k rows times their router weights summed in slot order (`combine`).
-    Deterministic: the kernel's fixed split-K order, a stable sort."""
+def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, op_order: str, *, gemm: str = "mma", nt: int | None = None) -> torch.Tensor:
+    """MoE over tiles of each expert's rows, exact products, in six launches: the (token, slot) pairs
+    sorted by expert (`schedule_rows`), x's rows quantized in that order into exact values (a token's k
+    rows alike), w13 into fp32 [P, 2I], SwiGLU in fp32 rounded to x's dtype and quantized per row in one
+    pass, w2 into fp32 [P, H], each token's k rows times their router weights summed in slot order
+    (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: a benchmark override
+    of `cuda_mma.GROUPED_NT`, every bit the same) or "exact" (`_grouped_exact_kernel` over tiles of
+    EXACT_BLOCK rows against the experts dequantized to exact FP16 for the call: larger batches).
+    Deterministic: fixed split-K order, a stable sort."""
     from . import cuda_mma
 
-    if not mma_fits(x, w13, w2):
+    if gemm == "mma" and not mma_fits(x, w13, w2):
         raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights with N % 16 == 0, K % 128 == 0 on a "
                          f"device where cuda_mma runs; got {x.dtype}, {w13.layout} {tuple(w13.shape)}, "
                          f"{w2.layout} {tuple(w2.shape)}, {x.device}")
+    if gemm == "exact" and (x.dtype not in (torch.bfloat16, torch.float16) or "mma_tiled" in (w13.layout, w2.layout)):
+        raise ValueError(f"the exact MoE takes bf16/fp16 x and ModelOpt weights, got {x.dtype}, {w13.layout}, "
+                         f"{w2.layout}")
     t, h = x.shape
     e, k, inter = w13.shape[0], topk_ids.shape[1], w13.shape[1] // 2
-    nt = nt or cuda_mma.GROUPED_NT
-    order, pos, schedule = schedule_rows(topk_ids, e, 8 * nt)
-    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
+    if gemm == "mma":
+        nt = nt or cuda_mma.GROUPED_NT
+        tile_rows, dtype = 8 * nt, torch.float16
+
+        def launch(a, w, out, schedule):
+            cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=nt)
+    else:
+        tile_rows, dtype, launch = EXACT_BLOCK["BLOCK_M"], torch.float16, _launch_exact
+    order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
+    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=dtype, rows=order // k)
     h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
-    cuda_mma.launch(a.values, a.global_scale, w13, h13, schedule=schedule, nt=nt)
-    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
+    launch(a, w13, h13, schedule)
+    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=dtype, swiglu=x.dtype)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    cuda_mma.launch(b.values, b.global_scale, w2, y, schedule=schedule, nt=nt)
+    launch(b, w2, y, schedule)
     return combine(y, pos, topk_weights, x.dtype)
 
 

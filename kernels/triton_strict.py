@@ -4,14 +4,14 @@ the batch, or prefill vs decode; so a token's outputs are the same bits alone, i
 decode step and in a whole-sequence recomputation (`SamplerConfig.strict`, docs/NUMERICS.md).
 
     linear(x [..., K], w [N, K] NVFP4) -> [..., N]      every M on `cuda_mma` (`triton_gemm` path "mma")
-    moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], ...) -> [T, H]    `cuda_mma` over expert tiles (`triton_moe._moe_mma`)
+    moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], ...) -> [T, H]    `cuda_mma` over expert tiles (`triton_moe._moe_tiled`)
                                                                     where it fits, else per-pair GEMVs
 
 Activation quantization is per token (row-invariant: a row's amax is a max, exact in any order).
 linear: `cuda_mma`'s summation order depends on (N, K) only (k16 steps in order, split-K planes added
 in plane order); M only sets how many token tiles run, so every M takes it (M = 1 included, where the
 default path takes the Triton GEMV), in launches of at most CHUNK_TOKENS tokens because its fp32
-split-K planes grow with M x N. moe: every T on `triton_moe._moe_mma` (bf16/fp16 x, ModelOpt experts of
+split-K planes grow with M x N. moe: every T on `triton_moe._moe_tiled` (bf16/fp16 x, ModelOpt experts of
 `cuda_mma`'s shape contract): the same kernel, whose rows keep their order whichever rows share a tile,
 row-wise quantizers, and the k expert outputs of a token added in its router's slot order (`combine`);
 otherwise one GEMV per (token, expert) pair with the launch configuration of one token's pairs at every
@@ -51,7 +51,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
 
     def part(i: int) -> torch.Tensor:
         args = x[i:i + tokens], w13, w2, topk_weights[i:i + tokens], topk_ids[i:i + tokens], op_order
-        return triton_moe._moe_mma(*args) if mma else triton_moe._moe_pairs(*args, strict=True)
+        return triton_moe._moe_tiled(*args) if mma else triton_moe._moe_pairs(*args, strict=True)
 
     return _cat([part(i) for i in range(0, max(x.shape[0], 1), tokens)])
 

@@ -149,7 +149,7 @@ def test_tiled_weights_take_mma_at_every_decode_size_and_bf16_beyond(mods):
 def test_dequantize_tiled_equals_the_modelopt_dequantizer(mods, n, k):
     cuda_mma, tg, _ = mods
     w = _w(n, k, seed=n + k, per_row=True)
-    assert torch.equal(cuda_mma.dequantize(cuda_mma.tile_weight(w)), tg.dequantize_bf16(w))
+    assert torch.equal(cuda_mma.dequantize(cuda_mma.tile_weight(w)), tg.dequantize_exact(w))
 
 
 @pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
@@ -194,8 +194,11 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     close = ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-2 * want.abs().max()).float().mean().item()
     assert close > 0.99, f"only {close:.4f} of the outputs within tolerance"
     assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="mma"), got)
+    exact = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact")   # FP16 wgmma tiles of 64 rows (forced)
+    assert ((exact.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact"), exact)
     for nt in (2, 4):                                                   # more token tiles per expert tile: same bits
-        assert torch.equal(triton_moe._moe_mma(x, w13, w2, topk_w, topk_ids, "vllm", nt=nt), got), f"nt={nt}"
+        assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", nt=nt), got), f"nt={nt}"
     default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 128, mma to 2048, grouped beyond
     assert default == {1: "pairs", 5: "pairs", 64: "mma", 300: "mma"}[tokens]
     assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "grouped"

@@ -83,7 +83,7 @@ def test_strict_kernels_are_batch_invariant(cuda):
 
     _rows_invariant(moe, len(xm), (1, 5, 32, 33, 1024))
     from nvfp4_sampler.kernels import triton_moe
-    assert torch.equal(moe(slice(0, 5)), triton_moe._moe_mma(xm[:5], w13, w2, tw[:5], ids[:5], "vllm"))   # on cuda_mma
+    assert torch.equal(moe(slice(0, 5)), triton_moe._moe_tiled(xm[:5], w13, w2, tw[:5], ids[:5], "vllm"))   # on cuda_mma
     # Against the spec as the default MoE path is tested (test_gpu_kernels): FP32 reordering may flip a few
     # codes of the intermediate's quantization, so the bound is on the whole output, not on its worst element
     # (the H200 run of 2026-12-04 saw 805 on a max of 26569 there, one flipped code).

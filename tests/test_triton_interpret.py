@@ -198,6 +198,38 @@ def check_gathered_and_swiglu_rows(op_order: str) -> None:
     assert torch.allclose(got.global_scale, want.global_scale, rtol=2 ** -7, atol=0.0)
 
 
+def check_moe_exact(op_order: str) -> None:
+    """path="exact" (tiles of 64 rows of one expert, FP16 tensor-core GEMM over exact values, fp32 out),
+    with tiles that end inside an expert and an expert with no rows: its w13 GEMM equal to the rows'
+    products computed in torch; the layer within 1% of the grouped path's (both round the SwiGLU
+    intermediate to bf16, which this interpreter does by truncation: ~3% from `reference.moe` for every
+    path here; on the GPU, tests/test_gpu_mma), deterministic."""
+    from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe, triton_quant
+    g = torch.Generator().manual_seed(11)
+    experts, hidden, inter, top_k, tokens = 5, 128, 64, 2, 70
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(torch.bfloat16))
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, generator=g) * 0.1).to(torch.bfloat16))
+    w2 = w2.replace(global_scale=w2.global_scale[:, None] * (0.5 + torch.rand(experts, hidden, generator=g)))
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, 4] = -1e9                                                # expert 4 gets no rows
+    topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), top_k)
+    order, _, schedule = triton_moe.schedule_rows(topk_ids, experts, triton_moe.EXACT_BLOCK["BLOCK_M"])
+    a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, rows=order // top_k, op_order=op_order)
+    h13 = torch.full((tokens * top_k, 2 * inter), float("nan"))
+    triton_moe._launch_exact(a, w13, h13, schedule)
+    expert = topk_ids.reshape(-1)[order.long()]
+    w_deq = triton_gemm.dequantize_exact(w13, torch.float16).float()
+    want = torch.einsum("pk,pnk->pn", a.values.float(), w_deq[expert]) * a.global_scale[:, None] * w13.global_scale[expert, None]
+    assert torch.allclose(h13, want, rtol=hidden * 2 ** -23, atol=0.0)
+    got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="exact")
+    grouped = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="grouped").float()
+    assert ((got.float() - grouped).norm() / grouped.norm()).item() < 1e-2
+    want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
+    assert ((got.float() - want).norm() / want.norm()).item() < 5e-2
+    assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="exact"))
+
+
 def check_moe_schedule_and_combine() -> None:
     """`schedule_rows`' one-launch sort and tiling equals `moe_schedule`'s torch ops (order, tiles, the
     inverse) over expert counts that are not powers of two, unused experts, one pair and 4096 pairs;
@@ -262,6 +294,7 @@ if __name__ == "__main__":
         check_moe_pairs(order)
         check_weight_into(order)
         check_gathered_and_swiglu_rows(order)
+        check_moe_exact(order)
     check_packed_split_k()
     check_moe_schedule_and_combine()
     print("interpreter checks passed")
