@@ -182,9 +182,10 @@ def _launch_exact(a, w: NVFP4Tensor, out: torch.Tensor, schedule: torch.Tensor) 
     if k % cfg["BLOCK_K"]:
         raise ValueError(f"the exact MoE path needs K % {cfg['BLOCK_K']} == 0, got K={k}")
     z = schedule.shape[1]
+    w_exact = triton_gemm.dequantize_exact(w, torch.float16)
     _grouped_exact_kernel[(z, triton.cdiv(n, cfg["BLOCK_N"]))](
-        a.values, a.global_scale, triton_gemm.dequantize_exact(w, torch.float16), gs, gs.stride(0), 0 if gs.dim() == 1 else gs.stride(1),
-        out, schedule, z, n, k, **cfg)
+        a.values, a.global_scale, w_exact, gs, gs.stride(0), 0 if gs.dim() == 1 else gs.stride(1), out, schedule, z,
+        n, k, **cfg)
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
@@ -241,8 +242,8 @@ def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 
 
 def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
-    """`_moe_tiled(gemm="mma")` can run: bf16/fp16 x, ModelOpt weights of `cuda_mma`'s shape contract, on a device
-    where `cuda_mma` is prepared (`triton_gemm._mma_supported`, at load time through `dispatch`)."""
+    """`_moe_tiled(gemm="mma")` can run: bf16/fp16 x, ModelOpt weights of `cuda_mma`'s shape contract, on a
+    device where `cuda_mma` is prepared (`triton_gemm._mma_supported`, at load time through `dispatch`)."""
     from . import cuda_mma, triton_gemm
     return (x.dtype in (torch.bfloat16, torch.float16) and w13.layout == "modelopt" and w2.layout == "modelopt"
             and cuda_mma.shape_ok(*w13.shape[1:]) and cuda_mma.shape_ok(*w2.shape[1:])
@@ -272,17 +273,17 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     e, k, inter = w13.shape[0], topk_ids.shape[1], w13.shape[1] // 2
     if gemm == "mma":
         nt = nt or cuda_mma.GROUPED_NT
-        tile_rows, dtype = 8 * nt, torch.float16
+        tile_rows = 8 * nt
 
         def launch(a, w, out, schedule):
             cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=nt)
     else:
-        tile_rows, dtype, launch = EXACT_BLOCK["BLOCK_M"], torch.float16, _launch_exact
+        tile_rows, launch = EXACT_BLOCK["BLOCK_M"], _launch_exact
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
-    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=dtype, rows=order // k)
+    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
     h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
     launch(a, w13, h13, schedule)
-    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=dtype, swiglu=x.dtype)
+    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     launch(b, w2, y, schedule)
     return combine(y, pos, topk_weights, x.dtype)
