@@ -298,7 +298,7 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
         if SWIGLU:
             w_su = tl.load(w_gs + e * stride_gs_e + (cols + N) * stride_gs_n, mask=cmask, other=0.0)
             up = acc_u * a_g[None, :] * w_su[:, None]
-            val = val / (1.0 + tl.exp(-val)) * up
+            val = triton_quant.swiglu(val, up)
         if ROW_WEIGHT:
             val = val * tl.load(row_weight + rows, mask=rmask, other=0.0)[None, :]
         if HAS_BIAS:

@@ -156,6 +156,12 @@ def _scale_offsets(rows, blocks, n_blocks, SWIZZLE: tl.constexpr):
 
 
 @triton.jit
+def swiglu(gate, up):
+    """silu(gate) * up in fp32, the MoE intermediate (`reference.moe`) of every Triton MoE path."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
               ROWS: tl.constexpr, NB_PAD: tl.constexpr, AMAX_MODE: tl.constexpr, SWIZZLE: tl.constexpr,
               WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr, TE: tl.constexpr,
@@ -174,7 +180,7 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if SWIGLU:
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-        x = (x / (1.0 + tl.exp(-x)) * up).to(tl.bfloat16 if ACT_BF16 else tl.float16, fp_downcast_rounding="rtne")
+        x = swiglu(x, up).to(tl.bfloat16 if ACT_BF16 else tl.float16, fp_downcast_rounding="rtne")
         x = x.to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
     if AMAX_MODE == 1:                                                       # one amax for the tensor
