@@ -10,7 +10,7 @@ active expert's weights read once per tile, in six launches (`schedule_rows`, tw
 with a Triton FP16 tensor-core GEMM over 64-row tiles against the experts dequantized to exact FP16.
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
-                BLOCK_M-row tiles, each tile inside one expert (`moe_schedule`)
+                BLOCK_M-row tiles, each tile inside one expert (`schedule_rows`)
   2. quantize   x once per token (T rows, not T*k): the per-token amax and scales are computed in
                 the same pass that writes the codes; the grouped GEMM gathers codes by token index,
                 so no permuted copy of x is ever written
@@ -214,20 +214,17 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
-    order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, e, bm)
-    schedule = (tile_expert, tile_start, tile_end)
+    order, pos, schedule = schedule_rows(topk_ids, e, bm)
+    tiles = tuple(schedule.unbind(0))
     cfg = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=1)
     a = triton_quant.quantize_per_token(x, op_order=op_order)
-    token = (order // k).to(torch.int32)
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
-    triton_gemm.launch_w4a4(a, w13, act, a_index=token, schedule=schedule, swiglu=True, config=cfg)
+    triton_gemm.launch_w4a4(a, w13, act, a_index=order // k, schedule=tiles, swiglu=True, config=cfg)
     a2 = triton_quant.quantize_per_token(act, op_order=op_order)
     y = torch.empty((p, h), dtype=torch.float32, device=x.device)
-    row_weight = topk_weights.reshape(-1)[order].float()
-    triton_gemm.launch_w4a4(a2, w2, y, schedule=schedule, row_weight=row_weight, config=cfg)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(p, device=x.device)
-    return y[pos].view(t, k, h).sum(1).to(x.dtype)
+    row_weight = topk_weights.reshape(-1).float().index_select(0, order)
+    triton_gemm.launch_w4a4(a2, w2, y, schedule=tiles, row_weight=row_weight, config=cfg)
+    return y.index_select(0, pos).view(t, k, h).sum(1).to(x.dtype)
 
 
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
