@@ -191,7 +191,7 @@ def _w4a4_kernel(
 
 
 @triton.jit
-def _dequant_bf16_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_exact_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16/fp16 [ROWS, K] = e2m1 * s (exact)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -203,7 +203,8 @@ def _dequant_bf16_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLO
     lo, hi = _decode(c, s, False)
     vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out + r64[:, None] * K + kk[None, :], vals.to(out.dtype.element_ty), mask=rmask[:, None] & (kk < K)[None, :])
+    tl.store(out + r64[:, None] * K + kk[None, :], vals.to(out.dtype.element_ty),
+             mask=rmask[:, None] & (kk < K)[None, :])
 
 
 @triton.jit
@@ -295,7 +296,7 @@ def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     out = torch.empty((codes.shape[0], k), dtype=dtype, device=codes.device)
     block_k = min(512, triton.next_power_of_2(k))
     if codes.numel():
-        _dequant_bf16_kernel[(triton.cdiv(codes.shape[0], 16), triton.cdiv(k, block_k))](
+        _dequant_exact_kernel[(triton.cdiv(codes.shape[0], 16), triton.cdiv(k, block_k))](
             codes, w.block_scales.reshape(-1, k // 16), out, codes.shape[0], k, BLOCK_R=16, BLOCK_K=block_k,
             num_warps=4)
     return out.reshape(w.shape)
