@@ -53,6 +53,11 @@ MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
+EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
+               for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
+                                        (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
+                                        (128, 128, 4, 4, False), (128, 256, 3, 8, True),
+                                        (128, 128, 4, 8, True), (256, 128, 3, 8, True))]
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -192,9 +197,16 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             cublas = graph_ms(lambda: [torch.matmul(x, w.t()) for w in w_bf]) / len(w_bf)
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
             mma = m <= MMA_BENCH_MAX_M and cuda_mma.shape_ok(n, k)
-            for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M) + ("packed",) * (m <= 1024)
-                         + ("bf16",)):
+            for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M)
+                         + ("packed",) * (m <= 1024) + ("bf16",) + ("exact",) * (m >= 256)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if m >= 4096:                                 # the exact GEMM alone by tiles, operands prepared beforehand
+                xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                row["exact_tiles_ms"] = {
+                    "{BLOCK_M}x{BLOCK_N} s{num_stages} w{num_warps}{}".format(" codes" * c["W_CODES"], **c): graph_ms(lambda c=c: [
+                        triton_gemm.launch_exact(xq, w, out, config=dict(triton_gemm.EXACT_DENSE, **c))
+                        for w in w_q]) / len(w_q) for c in EXACT_SWEEP}
             if mma:                                       # the mma kernel alone, activation quantized beforehand
                 xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -237,7 +249,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             row["auto_path"] = triton_gemm.linear_path(m, "per_token", w_q[0])
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
-            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16"))
+            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16", "exact"))
             row["weight_gbps"] = gbps(w_q[0].nbytes, row["ours_ms"])
             row["weight_frac_copy"] = row["weight_gbps"] / peak_gbps
             if m in (1, 16):
@@ -312,6 +324,10 @@ def bench_moe(log, quick: bool) -> None:
                                                           for tw, ti in routes]) / n_routes
                 except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
                     row[f"{path}_error"] = str(err)[:300]
+        if t >= 128:                              # the exact GEMM decoding the codes itself (no FP16 copy)
+            cfg = dict(triton_gemm.EXACT_GROUPED, W_CODES=True)
+            row["exact_codes_ms"] = graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact",
+                                                                            config=cfg) for tw, ti in routes]) / n_routes
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
@@ -342,14 +358,14 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
     print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS      mma     gemv"
-          "   packed     bf16  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
+          "   packed     bf16    exact  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
     for r in by("linear"):
         sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
         peer = (f"{r['peer_ms'] * 1e3:7.1f} {r['peer_speedup_vs_cublas']:10.2f}x {r['speedup_vs_peer']:8.2f}x"
                 if "peer_ms" in r else f"{'-':>7s} {'-':>11s} {'-':>9s}")
         print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('mma_ms', math.nan) * 1e3:8.1f}"
               f" {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
-              f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f}"
+              f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f} {r.get('exact_ms', math.nan) * 1e3:8.1f}"
               f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x {r['weight_gbps']:6.0f} {100 * r['weight_frac_copy']:5.1f}"
               f" {peer}  {sw}")
     for r in by("linear"):
@@ -367,6 +383,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   + ("; tiled by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_nt_rw_cps_ms"].items())
                      if "mma_nt_rw_cps_ms" in r else ""))
     for r in by("linear"):
+        if "exact_tiles_ms" in r:
+            print(f"  exact {r['shape']:13s} M={r['m']}: GEMM alone by tiles (cuBLAS {r['cublas_ms'] * 1e3:.1f} us) "
+                  + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["exact_tiles_ms"].items()) + " us")
+    for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "
                   f"separate launch {r['gemv_unfused_ms'] * 1e3:.1f} us")
@@ -381,6 +401,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+    for r in by("moe"):
+        if "exact_codes_ms" in r:
+            print(f"  exact {r['tokens']:6d} tokens, codes decoded in the GEMM: {r['exact_codes_ms'] * 1e3:.1f} us")
     for r in by("moe"):
         if "mma_nt_ms" in r:
             print(f"  mma {r['tokens']:6d} tokens by NT (token tiles of 8 per expert tile): "

@@ -4,6 +4,7 @@ over all paths.
 
     linear(x [..., K] float, w [N, K] NVFP4) -> [..., N]        picks a path by `linear_path`
     launch_w4a4(a [Ma, K] NVFP4, w [N, K] or [E, W_ROWS, K] NVFP4, out [R, N])   the packed kernel
+    launch_exact(a exact fp16 rows [M, K], w [N, K] or [E, N, K] NVFP4, out [M, N])   the exact GEMM
     dequantize_exact(w [..., K] NVFP4) -> exact BF16 / FP16 [..., K]
 
 Exact emulation: e2m1(q) * float(s) has at most 6 significant bits, so it is exact in FP16 (and
@@ -12,7 +13,7 @@ scales (per token for activations, per output row for weights) are applied in th
 the reference's order ((acc * S_dec_a) * S_dec_w) + bias. Results differ from `reference.nvfp4_gemm`
 only by the order of the FP32 additions.
 
-Four paths, chosen by `linear_path(m, ...)`:
+Four paths, chosen by `linear_path(m, ...)`, and a fifth forced one:
   "mma"     (2 <= M <= 64, per token, bf16/fp16; M = 1 too for "mma_tiled" weights)  `cuda_mma`: CUDA
             C++ on FP16 tensor cores (mma.sync) over the codes (ModelOpt or "mma_tiled" layout) and exact
             FP16 activations; batch-invariant.
@@ -28,6 +29,10 @@ Four paths, chosen by `linear_path(m, ...)`:
             0.28x BF16), cuBLAS multiplies with an FP32 output (`torch.mm(..., out_dtype=float32)`),
             and one Triton pass applies the scales and the bias. "mma_tiled" weights take this path beyond
             MMA_MAX_M, decoded by `cuda_mma.dequantize`.
+  "exact"   (forced only until measured) the same exact operands in FP16, multiplied by `launch_exact`'s
+            Triton tensor-core GEMM with the scales and bias in its epilogue: no FP32 [M, N] round trip
+            (8B gate_up at M = 4096: 0.8 GB written and read again). The MoE's "exact" path runs the
+            same kernel over expert tiles.
 The packed kernel also serves the MoE grouped GEMM (`kernels.triton_moe`): tiles map to experts through
 device-side metadata, activation rows are gathered by index, and the epilogue can fuse SwiGLU and
 the router weight.
@@ -222,6 +227,103 @@ def _scale_epilogue_kernel(acc, a_gs, w_gs, stride_w_gs, bias, out, M, N,
     tl.store(out + off, v.to(out.dtype.element_ty), mask=mask)
 
 
+EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, W_CODES=False, num_warps=8, num_stages=3)
+EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, W_CODES=False, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, sched, Z, M, N, K,
+                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr, USE_ASM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
+
+    a: exact fp16 rows [M, K]. w: the unscaled weights [E, N, K] (E = 1 dense) as exact fp16 values, or
+    (W_CODES) as packed codes uint8 [E, N, K/2] with e4m3 w_scales [E, N, K/16], decoded in registers
+    each K step (prefetched two steps ahead) and fed to the MMA from there. The products are exact,
+    accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first operand).
+    1-D grid over (row tile, column tile). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles,
+    GROUP_M row tiles at a time per column sweep (L2 reuse of both operands). Grouped: the Z tiles of
+    `sched` ([3, Z] int32: expert, first row, end row; rows sorted by expert), column tile major."""
+    pid = tl.program_id(0)
+    if GROUPED:
+        tile = pid % Z
+        pid_n = pid // Z
+        e = tl.load(sched + tile)
+        r0 = tl.load(sched + Z + tile)
+        r1 = tl.load(sched + 2 * Z + tile)
+        if r0 >= r1:                                   # an unused tile of the schedule
+            return
+    else:
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(Z - first, GROUP_M)
+        tile = first + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+        e = tl.full((), 0, tl.int32)
+        r0 = tile * BLOCK_M
+        r1 = M
+    rows = r0 + tl.arange(0, BLOCK_M)
+    rmask = rows < r1
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    wrow = e.to(tl.int64) * N + cols
+    a_row = a + rows.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if W_CODES:
+        KH: tl.constexpr = BLOCK_K // 2
+        KB: tl.constexpr = BLOCK_K // 16
+        for k0 in range(0, K, BLOCK_K):
+            c0, s0 = _load_packed(w, w_scales, wrow, cmask, k0, K, KH, KB, K)
+            lo, hi = _decode(c0, s0, USE_ASM)
+            w_t = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+            a_t = tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0)
+            acc = tl.dot(w_t, tl.trans(a_t), acc)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+            w_t = tl.load(w + wrow[:, None] * K + kk, mask=cmask[:, None], other=0.0)
+            a_t = tl.load(a_row + kk, mask=rmask[:, None], other=0.0)
+            acc = tl.dot(w_t, tl.trans(a_t), acc)
+    a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
+    w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
+    v = (acc * a_g[None, :]) * w_g[:, None]
+    if HAS_BIAS:
+        v = v + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out + rows.to(tl.int64)[None, :] * N + cols[:, None], v.to(out.dtype.element_ty),
+             mask=rmask[None, :] & cmask[:, None])
+
+
+def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 schedule: torch.Tensor | None = None, config: dict | None = None,
+                 use_asm: bool = not triton_quant.INTERPRET) -> None:
+    """`_exact_gemm_kernel`: exact fp16 rows a [M, K] (`triton_quant.quantize_per_token_exact(...,
+    dtype=float16)`) against w [N, K] (dense; global_scale [] or [N]) or stacked experts w [E, N, K]
+    with `schedule` ([3, Z] int32 from `triton_moe.schedule_rows`; global_scale [E] or [E, N]) into
+    out [M, N] (fp32 or the activation dtype). The weights are dequantized to exact FP16 for the call (no
+    second-level scale, no cache), or with config W_CODES decoded inside the GEMM (ModelOpt layout).
+    config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override). use_asm: the decode's PTX
+    table (GPU default) or portable arithmetic (same values; the interpreter)."""
+    grouped = schedule is not None
+    if grouped != (w.codes.dim() == 3):
+        raise ValueError(f"a schedule goes with stacked experts [E, N, K], got {tuple(w.shape)}, schedule "
+                         f"{'given' if grouped else 'missing'}")
+    cfg = dict(config or (EXACT_GROUPED if grouped else EXACT_DENSE))
+    n, k = w.shape[-2:]
+    if k % cfg["BLOCK_K"]:
+        raise ValueError(f"the exact GEMM needs K % {cfg['BLOCK_K']} == 0, got K={k}")
+    if cfg["W_CODES"] and w.layout != "modelopt":
+        raise ValueError(f"the exact GEMM decodes ModelOpt codes in the kernel, got layout {w.layout!r}")
+    m = a.values.shape[0]
+    z = schedule.shape[1] if grouped else triton.cdiv(m, cfg["BLOCK_M"])
+    if m == 0 or z == 0:
+        return
+    weight = (w.codes, w.block_scales) if cfg["W_CODES"] else (dequantize_exact(w, torch.float16), None)
+    gse, gsn = triton_gemv._gs_strides(w.global_scale, w.codes.dim())
+    _exact_gemm_kernel[(z * triton.cdiv(n, cfg["BLOCK_N"]),)](
+        a.values, a.global_scale, *weight, w.global_scale, gse, gsn, bias, out, schedule, z, m, n, k,
+        GROUPED=grouped, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+
+
 def packed_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
                   num_stages: int = 1, min_programs: int = 264) -> dict:
     """Launch configuration of the packed kernel for out [m, n], reduction k.
@@ -339,7 +441,9 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
     op_order: the activation quantizer's, "vllm" (the spec) or "te".
     path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`), "gemv" (M <=
-    triton_gemv.GEMV_KERNEL_MAX_M), "packed" or "bf16" (per token only); default `linear_path`.
+    triton_gemv.GEMV_KERNEL_MAX_M), "packed", "bf16" or "exact" (per token only; "exact": `launch_exact`,
+    the scales and bias fused, K % 64 == 0; a large-M candidate, forced only until measured); default
+    `linear_path`.
     batch_invariant: the mma path keeps `cuda_mma.config`'s split-K at every M (strict mode) instead of
     `cuda_mma.throughput_options`' faster one above 16 tokens."""
     if w.codes.dim() != 2:
@@ -352,8 +456,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
             raise ValueError(f"amax: per-token amax must have shape {tuple(x.shape[:-1])}, got {tuple(amax.shape)}")
         amax = amax.reshape(-1)
     path = path or linear_path(x2.shape[0], scaling, w, x.dtype)
-    if w.layout == "mma_tiled" and (path not in ("mma", "bf16") or scaling != "per_token"):
-        raise ValueError(f"a mma_tiled weight takes the mma or bf16 path with per-token scaling, got {path!r}, "
+    if w.layout == "mma_tiled" and (path not in ("mma", "bf16", "exact") or scaling != "per_token"):
+        raise ValueError(f"a mma_tiled weight takes the mma, bf16 or exact path with per-token scaling, got {path!r}, "
                          f"{scaling!r}")
     if path == "mma":
         if scaling != "per_token":
@@ -362,10 +466,15 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape)
         cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
-    elif path == "bf16":
+    elif path in ("bf16", "exact"):
         if scaling != "per_token":
-            raise ValueError("the bf16 path implements per-token scaling only")
-        out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
+            raise ValueError(f"the {path} path implements per-token scaling only")
+        if path == "bf16":
+            out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
+        else:
+            a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
+            out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+            launch_exact(a, w, out, bias=bias)
     elif path == "gemv":
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         triton_gemv.launch_w4a4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out, bias=bias,
@@ -378,5 +487,5 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         launch_w4a4(a, w, out, bias=bias)
     else:
-        raise ValueError(f"path must be 'mma', 'gemv', 'packed' or 'bf16', got {path!r}")
+        raise ValueError(f"path must be 'mma', 'gemv', 'packed', 'bf16' or 'exact', got {path!r}")
     return out.reshape(*x.shape[:-1], w.shape[0])

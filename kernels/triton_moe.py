@@ -140,54 +140,6 @@ def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtyp
     return out
 
 
-EXACT_BLOCK = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)   # "exact" path tiles
-
-
-@triton.jit
-def _grouped_exact_kernel(a, a_gs, w, w_gs, stride_gs_e, stride_gs_n, out, sched, Z, N, K,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [P, N] fp32 = ((a @ w[e].T) * a_gs[row]) * w_gs[e, n] over the tiles of `sched` ([3, Z]: expert,
-    first row, end row), a: exact fp16 rows [P, K], w: exact fp16 unscaled experts [E, N, K]; the
-    products exact, fp32 accumulation (tensor cores), one rounding in the epilogue."""
-    pid_m = tl.program_id(0)
-    e = tl.load(sched + pid_m)
-    r0 = tl.load(sched + Z + pid_m)
-    r1 = tl.load(sched + 2 * Z + pid_m)
-    if r0 >= r1:                                   # an unused tile of the schedule
-        return
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < r1
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    a_row = a + rows.to(tl.int64)[:, None] * K
-    w_row = w + (e.to(tl.int64) * N + cols)[:, None] * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
-        a_t = tl.load(a_row + kk, mask=rmask[:, None], other=0.0)
-        w_t = tl.load(w_row + kk, mask=cmask[:, None], other=0.0)
-        acc = tl.dot(a_t, tl.trans(w_t), acc)
-    a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
-    w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
-    tl.store(out + rows.to(tl.int64)[:, None] * N + cols[None, :], (acc * a_g[:, None]) * w_g[None, :],
-             mask=rmask[:, None] & cmask[None, :])
-
-
-def _launch_exact(a, w: NVFP4Tensor, out: torch.Tensor, schedule: torch.Tensor) -> None:
-    """`_grouped_exact_kernel` for exact rows `a` (triton_quant.ExactRows, fp16) against stacked experts w
-    [E, N, K] (ModelOpt), dequantized to exact FP16 here (no second-level scale), into fp32 out [P, N]."""
-    e, n, k = w.shape
-    gs = w.global_scale
-    cfg = dict(EXACT_BLOCK)
-    if k % cfg["BLOCK_K"]:
-        raise ValueError(f"the exact MoE path needs K % {cfg['BLOCK_K']} == 0, got K={k}")
-    z = schedule.shape[1]
-    w_exact = triton_gemm.dequantize_exact(w, torch.float16)
-    _grouped_exact_kernel[(z, triton.cdiv(n, cfg["BLOCK_N"]))](
-        a.values, a.global_scale, w_exact, gs, gs.stride(0), 0 if gs.dim() == 1 else gs.stride(1), out, schedule, z,
-        n, k, **cfg)
-
-
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, *, op_order: str = "vllm", path: str | None = None) -> torch.Tensor:
     """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
@@ -248,14 +200,16 @@ def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 
 
 def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, op_order: str, *, gemm: str = "mma", nt: int | None = None) -> torch.Tensor:
+               topk_ids: torch.Tensor, op_order: str, *, gemm: str = "mma", nt: int | None = None,
+               config: dict | None = None) -> torch.Tensor:
     """MoE over tiles of each expert's rows, exact products, in six launches: the (token, slot) pairs
     sorted by expert (`schedule_rows`), x's rows quantized in that order into exact values (a token's k
     rows alike), w13 into fp32 [P, 2I], SwiGLU in fp32 rounded to x's dtype and quantized per row in one
     pass, w2 into fp32 [P, H], each token's k rows times their router weights summed in slot order
     (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: a benchmark override
-    of `cuda_mma.GROUPED_NT`, every bit the same) or "exact" (`_grouped_exact_kernel` over tiles of
-    EXACT_BLOCK rows against the experts dequantized to exact FP16 for the call: larger batches).
+    of `cuda_mma.GROUPED_NT`, every bit the same) or "exact" (`triton_gemm.launch_exact` over tiles of
+    EXACT_GROUPED rows against the experts dequantized to exact FP16 for the call: larger batches;
+    config: a benchmark override of EXACT_GROUPED, e.g. W_CODES to decode the codes inside the GEMM).
     Deterministic: fixed split-K order, a stable sort."""
     from . import cuda_mma
 
@@ -275,7 +229,11 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
         def launch(a, w, out, schedule):
             cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=nt)
     else:
-        tile_rows, launch = EXACT_BLOCK["BLOCK_M"], _launch_exact
+        config = config or triton_gemm.EXACT_GROUPED
+        tile_rows = config["BLOCK_M"]
+
+        def launch(a, w, out, schedule):
+            triton_gemm.launch_exact(a, w, out, schedule=schedule, config=config)
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
     a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
     h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)

@@ -206,7 +206,7 @@ def test_inline_ptx_equals_portable_arithmetic(tk, tv):
 
 
 @pytest.mark.parametrize("m", M_SIZES)
-@pytest.mark.parametrize("path", ["gemv", "packed", "bf16"])
+@pytest.mark.parametrize("path", ["gemv", "packed", "bf16", "exact"])
 def test_linear_paths_match_reference(tk, tv, m, path):
     tg = tk[1]
     if path == "gemv" and m > tv.GEMV_KERNEL_MAX_M:
@@ -220,6 +220,29 @@ def test_linear_paths_match_reference(tk, tv, m, path):
     want = reference.linear(x, w, bias=bias)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [1, 300])
+def test_exact_gemm_decoding_codes_matches_reference(tk, m):
+    """The exact GEMM with the weight codes decoded inside the kernel (config W_CODES): within the
+    tolerance of `reference.linear`, the PTX decode table and the portable arithmetic bit for bit, and
+    deterministic (tiles of both default configurations)."""
+    tg = tk[1]
+    n, k = 640, 2048
+    x = _activations(m, k, seed=m + 9)
+    w = _weight(n, k, seed=5, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = reference.linear(x, w, bias=bias).float()
+    a = tk[0].quantize_per_token_exact(x, dtype=torch.float16)
+    for base in (tg.EXACT_DENSE, tg.EXACT_GROUPED):
+        cfg = dict(base, GROUP_M=max(base["GROUP_M"], 1), W_CODES=True)
+        outs = []
+        for use_asm in (True, False, True):
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            tg.launch_exact(a, w, out, bias=bias, config=cfg, use_asm=use_asm)
+            outs.append(out)
+        torch.testing.assert_close(outs[0].float(), want, rtol=2 ** -7, atol=1e-3)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_dispatch_picks_triton(tk):
@@ -300,7 +323,7 @@ REPEATS = 50
 
 @pytest.mark.parametrize("path,m,n,k", [("gemv", 1, 4096, 4096), ("gemv", 16, 6144, 4096), ("gemv", 4, 2048, 12288),
                                         ("packed", 32, 5120, 2048), ("packed", 64, 4096, 7168),
-                                        ("bf16", 300, 2048, 4096)])
+                                        ("bf16", 300, 2048, 4096), ("exact", 300, 2048, 4096)])
 def test_linear_is_bitwise_deterministic(tk, path, m, n, k):
     """Identical inputs give bitwise identical outputs run to run (split-K planes added in a fixed
     order; no floating-point atomics)."""

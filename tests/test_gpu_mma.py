@@ -176,7 +176,7 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     """`triton_moe.moe(path="mma")`: the kernel over each expert's 8-row tiles (`schedule`), fp32 out,
     against `reference.moe` with the bound the other MoE paths meet; two runs and a CUDA-graph replay
     give the same bits."""
-    from nvfp4_sampler.kernels import triton_moe
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe
 
     experts, hidden, inter, top_k = 16, 256, 128, 4
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -197,6 +197,11 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     exact = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact")   # FP16 wgmma tiles of 64 rows (forced)
     assert ((exact.float() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact"), exact)
+    codes = dict(triton_gemm.EXACT_GROUPED, W_CODES=True)              # the codes decoded inside the GEMM
+    decoded = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes)
+    assert ((decoded.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes),
+                       decoded)
     for nt in (2, 4):                                                   # more token tiles per expert tile: same bits
         assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", nt=nt), got), f"nt={nt}"
     default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 128, mma to 2048, grouped beyond

@@ -140,6 +140,34 @@ def check_packed_split_k() -> None:
     assert bool(((outs[0] - want).abs() <= _bound(a, w, want, bias)).all())
 
 
+def check_linear_exact() -> None:
+    """The exact GEMM (`launch_exact`, path "exact"), weights dequantized beforehand or decoded in the
+    kernel (W_CODES): every output of a grid with partial row and column tiles and a partial last group
+    of row tiles written once, within the FP32 reordering bound of `reference.nvfp4_gemm`, per-row and
+    per-tensor weight scales, with and without bias; `linear` returns it in x's dtype; deterministic."""
+    from nvfp4_sampler.kernels import reference, triton_gemm, triton_quant
+    m, n, k = 70, 96, 256
+    x, w, bias = _case(m, n, k, seed=9)
+    a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+    want_a = reference.quantize_per_token(x)
+    for weight, b, w_codes in ((w, bias, False), (w.replace(global_scale=w.global_scale[0]), None, False),
+                               (w, bias, True)):
+        small = dict(triton_gemm.EXACT_DENSE, BLOCK_M=16, BLOCK_N=32, GROUP_M=2, W_CODES=w_codes)   # 5 x 3 tiles,
+                                                                                                  # groups 2 + 2 + 1
+        want = reference.nvfp4_gemm(want_a, weight, bias=b, out_dtype=torch.float32)
+        out = torch.full((m, n), float("nan"))
+        triton_gemm.launch_exact(a, weight, out, bias=b, config=small)
+        bound = _bound(want_a, weight, want, torch.zeros(n) if b is None else b)
+        assert bool(((out - want).abs() <= bound).all()), "exact GEMM outside the FP32 reordering bound"
+        again = torch.full((m, n), float("nan"))
+        triton_gemm.launch_exact(a, weight, again, bias=b, config=small)
+        assert torch.equal(out, again), "exact GEMM not deterministic"
+    got = triton_gemm.linear(x[:9], w, bias=bias, path="exact")          # the default tiles: one partial tile
+    assert got.dtype == torch.bfloat16
+    want = reference.nvfp4_gemm(reference.quantize_per_token(x[:9]), w, bias=bias, out_dtype=torch.float32)
+    assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-30)
+
+
 def check_moe_pairs(op_order: str) -> None:
     """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
     split-K 1 and 2, tokens quantized in `op_order`: the SwiGLU rows within one BF16 ulp of the
@@ -214,14 +242,17 @@ def check_moe_exact(op_order: str) -> None:
     logits = torch.randn(tokens, experts, generator=g)
     logits[:, 4] = -1e9                                                # expert 4 gets no rows
     topk_w, topk_ids = torch.topk(torch.softmax(logits, -1), top_k)
-    order, _, schedule = triton_moe.schedule_rows(topk_ids, experts, triton_moe.EXACT_BLOCK["BLOCK_M"])
+    order, _, schedule = triton_moe.schedule_rows(topk_ids, experts, triton_gemm.EXACT_GROUPED["BLOCK_M"])
     a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, rows=order // top_k, op_order=op_order)
     h13 = torch.full((tokens * top_k, 2 * inter), float("nan"))
-    triton_moe._launch_exact(a, w13, h13, schedule)
+    triton_gemm.launch_exact(a, w13, h13, schedule=schedule)
     expert = topk_ids.reshape(-1)[order.long()]
     w_deq = triton_gemm.dequantize_exact(w13, torch.float16).float()
     want = torch.einsum("pk,pnk->pn", a.values.float(), w_deq[expert]) * a.global_scale[:, None] * w13.global_scale[expert, None]
     assert torch.allclose(h13, want, rtol=hidden * 2 ** -23, atol=0.0)
+    decoded = torch.full_like(h13, float("nan"))                       # the codes decoded inside the kernel
+    triton_gemm.launch_exact(a, w13, decoded, schedule=schedule, config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True))
+    assert torch.allclose(decoded, want, rtol=hidden * 2 ** -23, atol=0.0)
     got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="exact")
     grouped = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="grouped").float()
     assert ((got.float() - grouped).norm() / grouped.norm()).item() < 1e-2
@@ -296,5 +327,6 @@ if __name__ == "__main__":
         check_gathered_and_swiglu_rows(order)
         check_moe_exact(order)
     check_packed_split_k()
+    check_linear_exact()
     check_moe_schedule_and_combine()
     print("interpreter checks passed")

@@ -1,5 +1,5 @@
 """The MoE path's Triton kernels compiled ahead of time for sm_90a on the CPU (no GPU needed): no register
-spills, and the grouped exact GEMM on the tensor-core instructions it is written for (wgmma) with its
+spills, and the exact GEMM (dense and grouped) on the tensor-core instructions it is written for (wgmma) with its
 operand loads pipelined (cp.async), as the H200 will compile them for the shapes engines pass (pointer
 and size arguments divisible by 16, which Triton specializes at launch)."""
 from __future__ import annotations
@@ -35,17 +35,24 @@ def _ptxas(ptx: str, ptxas: str) -> str:
     return res.stderr
 
 
-def test_grouped_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills():
-    from nvfp4_sampler.kernels import triton_moe
-    cfg = dict(triton_moe.EXACT_BLOCK)
-    sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*fp16", "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32",
-           "out": "*fp32", "sched": "*i32", "Z": "i32", "N": "i32", "K": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    ptx, log = _compile(triton_moe._grouped_exact_kernel, sig, {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
-                        ("a", "a_gs", "w", "w_gs", "out", "sched", "N", "K"),
-                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+@pytest.mark.parametrize("w_codes", [False, True], ids=["fp16-weights", "codes"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["moe", "dense"])
+def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, w_codes):
+    from nvfp4_sampler.kernels import triton_gemm
+    cfg = dict(triton_gemm.EXACT_GROUPED if grouped else triton_gemm.EXACT_DENSE, W_CODES=w_codes)
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES")}
+    consts.update(GROUPED=grouped, HAS_BIAS=not grouped, USE_ASM=True)
+    if not w_codes:
+        consts["w_scales"] = None
+    sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*u8" if w_codes else "*fp16", "w_scales": "*fp8e4nv",
+           "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "bias": "*bf16",
+           "out": "*fp32" if grouped else "*bf16", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
+           **{k: "constexpr" for k in consts}}
+    ptx, log = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
+                        ("a", "a_gs", "w", "w_gs", "bias", "out", "sched", "N", "K")
+                        + ("w_scales",) * w_codes, **cfg)
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
-    assert "cp.async" in ptx
+    assert "cp.async" in ptx                              # the activation tiles (and fp16 weights) pipelined
     assert "0 bytes spill stores" in log, log
 
 
