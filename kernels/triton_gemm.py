@@ -272,8 +272,12 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     if W_CODES:
         KH: tl.constexpr = BLOCK_K // 2
         KB: tl.constexpr = BLOCK_K // 16
-        for k0 in range(0, K, BLOCK_K):
-            c0, s0 = _load_packed(w, w_scales, wrow, cmask, k0, K, KH, KB, K)
+        row_s = tl.multiple_of(K // 16, 4)           # a row's scales: whole 4-byte words (one cp.async, not 4)
+        for k0 in range(0, K, BLOCK_K):              # K % BLOCK_K == 0: no mask along K
+            c0 = tl.load(w + wrow[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, KH))[None, :], mask=cmask[:, None],
+                         other=0)
+            s0 = tl.load(w_scales + wrow[:, None] * row_s + (k0 // 16 + tl.arange(0, KB))[None, :],
+                         mask=cmask[:, None], other=0.0)
             lo, hi = _decode(c0, s0, USE_ASM)
             w_t = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
             a_t = tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0)
