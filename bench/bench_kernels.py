@@ -53,8 +53,8 @@ MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
-EXACT_SMALL_SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
-                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 64, 6, 4), (128, 64, 4, 8), (128, 128, 3, 8))]
+EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
+                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8))]
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
                for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
                                         (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
@@ -242,11 +242,11 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     row["mma_tiled_linear_stages_ms"] = {st: graph_ms(lambda st=st: chain(st)) / len(w_t)
                                                          for st in LINEAR_STAGES_SWEEP}
                 if m in (16, 32, 64):                     # the Triton wgmma route: codes decoded in registers as
-                    small = dict(triton_gemm.EXACT_DENSE, BLOCK_M=max(16, m), GROUP_M=1, W_CODES=True)  # its first
-                    row["exact_codes_kernel_ms"] = {                                         # operand, tokens as N
-                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps}".format(**c): graph_ms(lambda c=c: [
-                            triton_gemm.launch_exact(xq, w, out, config=dict(small, **c)) for w in w_q]) / len(w_q)
-                        for c in EXACT_SMALL_SWEEP}
+                    cfgs = [triton_gemm.exact_small_config(m, n, k, **c) for c in EXACT_SMALL_SWEEP]   # its first
+                    row["exact_codes_kernel_ms"] = {                                  # operand, tokens as its N
+                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): graph_ms(
+                            lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_q]) / len(w_q)
+                        for c in cfgs}
                 del w_t
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch

@@ -227,24 +227,30 @@ def _scale_epilogue_kernel(acc, a_gs, w_gs, stride_w_gs, bias, out, M, N,
     tl.store(out + off, v.to(out.dtype.element_ty), mask=mask)
 
 
-EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, W_CODES=False, num_warps=8, num_stages=3)
-EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, W_CODES=False, num_warps=8, num_stages=3)
+EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, W_CODES=False, num_warps=8,
+                   num_stages=3)
+EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, W_CODES=False, num_warps=8,
+                     num_stages=3)
 
 
 @triton.jit
-def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, sched, Z, M, N, K,
-                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr, USE_ASM: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched, Z, M,
+                       N, K, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr,
+                       USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
     a: exact fp16 rows [M, K]. w: the unscaled weights [E, N, K] (E = 1 dense) as exact fp16 values, or
     (W_CODES) as packed codes uint8 [E, N, K/2] with e4m3 w_scales [E, N, K/16], decoded in registers
     each K step (prefetched two steps ahead) and fed to the MMA from there. The products are exact,
     accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first operand).
-    1-D grid over (row tile, column tile). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles,
-    GROUP_M row tiles at a time per column sweep (L2 reuse of both operands). Grouped: the Z tiles of
-    `sched` ([3, Z] int32: expert, first row, end row; rows sorted by expert), column tile major."""
+    Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M row tiles
+    at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial planes
+    in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`, counters: one per
+    output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first row, end row; rows
+    sorted by expert), column tile major, SPLIT_K 1."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     if GROUPED:
         tile = pid % Z
         pid_n = pid // Z
@@ -268,12 +274,15 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     cmask = cols < N
     wrow = e.to(tl.int64) * N + cols
     a_row = a + rows.to(tl.int64)[:, None] * K
+    k_per = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if W_CODES:
         KH: tl.constexpr = BLOCK_K // 2
         KB: tl.constexpr = BLOCK_K // 16
         row_s = tl.multiple_of(K // 16, 4)           # a row's scales: whole 4-byte words (one cp.async, not 4)
-        for k0 in range(0, K, BLOCK_K):              # K % BLOCK_K == 0: no mask along K
+        for k0 in range(k_lo, k_hi, BLOCK_K):        # K % BLOCK_K == 0: no mask along K
             c0 = tl.load(w + wrow[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, KH))[None, :], mask=cmask[:, None],
                          other=0)
             s0 = tl.load(w_scales + wrow[:, None] * row_s + (k0 // 16 + tl.arange(0, KB))[None, :],
@@ -283,18 +292,27 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
             a_t = tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0)
             acc = tl.dot(w_t, tl.trans(a_t), acc)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)[None, :]
             w_t = tl.load(w + wrow[:, None] * K + kk, mask=cmask[:, None], other=0.0)
             a_t = tl.load(a_row + kk, mask=rmask[:, None], other=0.0)
             acc = tl.dot(w_t, tl.trans(a_t), acc)
     a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
-    w_g = tl.load(w_gs + e * stride_gs_e + cols * stride_gs_n, mask=cmask, other=0.0)
-    v = (acc * a_g[None, :]) * w_g[:, None]
-    if HAS_BIAS:
-        v = v + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out + rows.to(tl.int64)[None, :] * N + cols[:, None], v.to(out.dtype.element_ty),
-             mask=rmask[None, :] & cmask[:, None])
+    triton_gemv._finish_tile(acc, acc, a_g, rows, rmask, cols, cmask, e, pid, pid_k, M * N, ws, counters, out, w_gs,
+                             stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, False, False, HAS_BIAS)
+
+
+def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+                       num_stages: int = 4, min_programs: int = 264) -> dict:
+    """`launch_exact`'s configuration at decode sizes (m <= 64, the Triton wgmma route): the tokens as the
+    MMA's N (BLOCK_M = m rounded up to 16..64), the codes decoded in the kernel, split-K from the weight
+    shape alone (doubled while the column tiles times the slices stay under `min_programs` and each
+    slice keeps >= 2 K steps), so no output's summation order depends on m."""
+    tiles, split = triton.cdiv(n, block_n), 1
+    while tiles * split < min_programs and k // (block_k * split * 2) >= 2:
+        split *= 2
+    return dict(EXACT_DENSE, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1,
+                SPLIT_K=split, W_CODES=True, num_warps=num_warps, num_stages=num_stages)
 
 
 def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -317,14 +335,20 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
         raise ValueError(f"the exact GEMM needs K % {cfg['BLOCK_K']} == 0, got K={k}")
     if cfg["W_CODES"] and w.layout != "modelopt":
         raise ValueError(f"the exact GEMM decodes ModelOpt codes in the kernel, got layout {w.layout!r}")
+    if grouped and cfg["SPLIT_K"] != 1:
+        raise ValueError("the grouped exact GEMM runs without split-K")
     m = a.values.shape[0]
     z = schedule.shape[1] if grouped else triton.cdiv(m, cfg["BLOCK_M"])
     if m == 0 or z == 0:
         return
+    tiles = z * triton.cdiv(n, cfg["BLOCK_N"])
+    ws = cnt = None
+    if cfg["SPLIT_K"] > 1:
+        ws, cnt = triton_gemv._workspace(out.device, cfg["SPLIT_K"] * m * n, tiles)
     weight = (w.codes, w.block_scales) if cfg["W_CODES"] else (dequantize_exact(w, torch.float16), None)
     gse, gsn = triton_gemv._gs_strides(w.global_scale, w.codes.dim())
-    _exact_gemm_kernel[(z * triton.cdiv(n, cfg["BLOCK_N"]),)](
-        a.values, a.global_scale, *weight, w.global_scale, gse, gsn, bias, out, schedule, z, m, n, k,
+    _exact_gemm_kernel[(tiles, cfg["SPLIT_K"])](
+        a.values, a.global_scale, *weight, w.global_scale, gse, gsn, bias, out, ws, cnt, schedule, z, m, n, k,
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
 
 

@@ -222,11 +222,11 @@ def test_linear_paths_match_reference(tk, tv, m, path):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [1, 300])
+@pytest.mark.parametrize("m", [1, 16, 300])
 def test_exact_gemm_decoding_codes_matches_reference(tk, m):
     """The exact GEMM with the weight codes decoded inside the kernel (config W_CODES): within the
     tolerance of `reference.linear`, the PTX decode table and the portable arithmetic bit for bit, and
-    deterministic (tiles of both default configurations)."""
+    deterministic (tiles of both default configurations and, up to 64 rows, the split-K decode one)."""
     tg = tk[1]
     n, k = 640, 2048
     x = _activations(m, k, seed=m + 9)
@@ -234,8 +234,10 @@ def test_exact_gemm_decoding_codes_matches_reference(tk, m):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = reference.linear(x, w, bias=bias).float()
     a = tk[0].quantize_per_token_exact(x, dtype=torch.float16)
-    for base in (tg.EXACT_DENSE, tg.EXACT_GROUPED):
-        cfg = dict(base, GROUP_M=max(base["GROUP_M"], 1), W_CODES=True)
+    configs = [dict(tg.EXACT_DENSE, W_CODES=True), dict(tg.EXACT_GROUPED, W_CODES=True)]
+    if m <= 64:
+        configs.append(tg.exact_small_config(m, n, k))                  # split-K 8 at this shape
+    for cfg in configs:
         outs = []
         for use_asm in (True, False, True):
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -243,6 +245,26 @@ def test_exact_gemm_decoding_codes_matches_reference(tk, m):
             outs.append(out)
         torch.testing.assert_close(outs[0].float(), want, rtol=2 ** -7, atol=1e-3)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_exact_small_config_is_batch_invariant(tk):
+    """`exact_small_config`'s split-K comes from the weight shape alone: the first m rows of a 64-row batch
+    are the bits of the same rows computed in batches of 1-40 (BLOCK_M 16, 32, 64: the MMA's N changes,
+    not any output's summation order) -- what a strict mode on this kernel would rest on."""
+    tg = tk[1]
+    n, k = 1024, 4096
+    x = _activations(64, k, seed=17)
+    w = _weight(n, k, seed=19, per_row=True)
+
+    def run(rows):
+        a = tk[0].quantize_per_token_exact(x[:rows], dtype=torch.float16)
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        tg.launch_exact(a, w, out, config=tg.exact_small_config(rows, n, k))
+        return out
+
+    full = run(64)
+    for rows in (1, 5, 16, 17, 40):
+        assert torch.equal(run(rows), full[:rows]), f"{rows} rows"
 
 
 def test_dispatch_picks_triton(tk):

@@ -142,7 +142,7 @@ def check_packed_split_k() -> None:
 
 def check_linear_exact() -> None:
     """The exact GEMM (`launch_exact`, path "exact"), weights dequantized beforehand or decoded in the
-    kernel (W_CODES): every output of a grid with partial row and column tiles and a partial last group
+    kernel (W_CODES), split-K planes added in order: every output of a grid with partial row and column tiles and a partial last group
     of row tiles written once, within the FP32 reordering bound of `reference.nvfp4_gemm`, per-row and
     per-tensor weight scales, with and without bias; `linear` returns it in x's dtype; deterministic."""
     from nvfp4_sampler.kernels import reference, triton_gemm, triton_quant
@@ -150,10 +150,10 @@ def check_linear_exact() -> None:
     x, w, bias = _case(m, n, k, seed=9)
     a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
     want_a = reference.quantize_per_token(x)
-    for weight, b, w_codes in ((w, bias, False), (w.replace(global_scale=w.global_scale[0]), None, False),
-                               (w, bias, True)):
-        small = dict(triton_gemm.EXACT_DENSE, BLOCK_M=16, BLOCK_N=32, GROUP_M=2, W_CODES=w_codes)   # 5 x 3 tiles,
-                                                                                                  # groups 2 + 2 + 1
+    for weight, b, w_codes, split in ((w, bias, False, 1), (w.replace(global_scale=w.global_scale[0]), None, False, 1),
+                                      (w, bias, True, 1), (w, bias, True, 3)):     # 3 slices of 2, 2, 0 K steps
+        small = dict(triton_gemm.EXACT_DENSE, BLOCK_M=16, BLOCK_N=32, GROUP_M=2, W_CODES=w_codes,  # 5 x 3 tiles,
+                     SPLIT_K=split)                                                             # groups 2 + 2 + 1
         want = reference.nvfp4_gemm(want_a, weight, bias=b, out_dtype=torch.float32)
         out = torch.full((m, n), float("nan"))
         triton_gemm.launch_exact(a, weight, out, bias=b, config=small)
