@@ -55,6 +55,8 @@ MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, Mo
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
                      for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8))]
+EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, W_CODES=True, num_warps=4,
+                        num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
                for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
                                         (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
@@ -332,10 +334,12 @@ def bench_moe(log, quick: bool) -> None:
                                                           for tw, ti in routes]) / n_routes
                 except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
                     row[f"{path}_error"] = str(err)[:300]
-        if t >= 128:                              # the exact GEMM decoding the codes itself (no FP16 copy)
-            cfg = dict(triton_gemm.EXACT_GROUPED, W_CODES=True)
-            row["exact_codes_ms"] = graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact",
-                                                                            config=cfg) for tw, ti in routes]) / n_routes
+        if t >= 16:                               # the exact GEMM decoding the codes itself (no FP16 copy), by
+            row["exact_codes_ms"] = {                 # expert tile: wgmma N = 16 rows at decode sizes, 64 beyond
+                tile: graph_ms(lambda cfg=cfg: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact", config=cfg)
+                                                for tw, ti in routes]) / n_routes
+                for tile, cfg in (("16-row", EXACT_MOE_DECODE), ("64-row", dict(triton_gemm.EXACT_GROUPED, W_CODES=True)))
+                if (tile == "16-row" and t <= 1024) or (tile == "64-row" and t >= 128)}
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
@@ -415,7 +419,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
     for r in by("moe"):
         if "exact_codes_ms" in r:
-            print(f"  exact {r['tokens']:6d} tokens, codes decoded in the GEMM: {r['exact_codes_ms'] * 1e3:.1f} us")
+            print(f"  exact {r['tokens']:6d} tokens, codes decoded in the GEMM, by expert tile: "
+                  + ", ".join(f"{tile}: {ms * 1e3:.1f}" for tile, ms in r["exact_codes_ms"].items()) + " us")
     for r in by("moe"):
         if "mma_nt_ms" in r:
             print(f"  mma {r['tokens']:6d} tokens by NT (token tiles of 8 per expert tile): "

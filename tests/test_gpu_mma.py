@@ -197,11 +197,13 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     exact = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact")   # FP16 wgmma tiles of 64 rows (forced)
     assert ((exact.float() - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact"), exact)
-    codes = dict(triton_gemm.EXACT_GROUPED, W_CODES=True)              # the codes decoded inside the GEMM
-    decoded = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes)
-    assert ((decoded.float() - want).norm() / want.norm()).item() < 1e-2
-    assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes),
-                       decoded)
+    for codes in (dict(triton_gemm.EXACT_GROUPED, W_CODES=True),        # the codes decoded inside the GEMM,
+                  dict(triton_gemm.EXACT_GROUPED, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
+                       W_CODES=True)):                                  # 64- and 16-row expert tiles
+        decoded = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes)
+        assert ((decoded.float() - want).norm() / want.norm()).item() < 1e-2
+        assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", gemm="exact", config=codes),
+                           decoded)
     for nt in (2, 4):                                                   # more token tiles per expert tile: same bits
         assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", nt=nt), got), f"nt={nt}"
     default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 128, mma to 2048, grouped beyond

@@ -259,6 +259,9 @@ def check_moe_exact(op_order: str) -> None:
     want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
     assert ((got.float() - want).norm() / want.norm()).item() < 5e-2
     assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="exact"))
+    small = dict(triton_gemm.EXACT_GROUPED, BLOCK_M=16, BLOCK_N=64, W_CODES=True)   # 16-row tiles, codes decoded
+    got16 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=small)
+    assert ((got16.float() - grouped).norm() / grouped.norm()).item() < 1e-2
 
 
 def check_moe_schedule_and_combine() -> None:
