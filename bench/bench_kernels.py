@@ -188,7 +188,7 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
 
 
 def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
-    ms = (1, 4, 16, 32, 64, 4096) if quick else (1, 4, 16, 32, 64, 256, 1024, 4096, 8192)
+    ms = (1, 4, 16, 32, 64, 256, 4096) if quick else (1, 4, 16, 32, 64, 256, 1024, 4096, 8192)
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
@@ -204,6 +204,14 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M)
                          + ("packed",) * (m <= 1024) + ("bf16",) + ("exact",) * (m >= 256)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if m >= 256:                                  # the exact path with the codes decoded in the GEMM (no
+                codes = dict(triton_gemm.EXACT_DENSE, W_CODES=True)              # FP16 copy of the weight)
+
+                def exact_codes(w):
+                    a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+                    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                    triton_gemm.launch_exact(a, w, out, config=codes)
+                row["exact_codes_ms"] = graph_ms(lambda: [exact_codes(w) for w in w_q]) / len(w_q)
             if m >= 4096:                                 # the exact GEMM alone by tiles, operands prepared beforehand
                 xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -259,7 +267,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             row["auto_path"] = triton_gemm.linear_path(m, "per_token", w_q[0])
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
-            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16", "exact"))
+            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16", "exact", "exact_codes"))
             row["weight_gbps"] = gbps(w_q[0].nbytes, row["ours_ms"])
             row["weight_frac_copy"] = row["weight_gbps"] / peak_gbps
             if m in (1, 16):
@@ -370,14 +378,14 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("weight_conversion"):
         print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
     print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS      mma     gemv"
-          "   packed     bf16    exact  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
+          "   packed     bf16    exact  codes  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
     for r in by("linear"):
         sw = f"{r['sweep_best_speedup_vs_cublas']:6.2f}x" if "sweep_best_ms" in r else ""
         peer = (f"{r['peer_ms'] * 1e3:7.1f} {r['peer_speedup_vs_cublas']:10.2f}x {r['speedup_vs_peer']:8.2f}x"
                 if "peer_ms" in r else f"{'-':>7s} {'-':>11s} {'-':>9s}")
         print(f"  {r['shape']:13s} {r['m']:5d} {r['cublas_ms'] * 1e3:8.1f} {r.get('mma_ms', math.nan) * 1e3:8.1f}"
               f" {r.get('gemv_ms', math.nan) * 1e3:8.1f}"
-              f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f} {r.get('exact_ms', math.nan) * 1e3:8.1f}"
+              f" {r.get('packed_ms', math.nan) * 1e3:8.1f} {r['bf16_ms'] * 1e3:8.1f} {r.get('exact_ms', math.nan) * 1e3:8.1f} {r.get('exact_codes_ms', math.nan) * 1e3:6.1f}"
               f"  {r['auto_path']:6s} {r['speedup_vs_cublas']:5.2f}x {r['weight_gbps']:6.0f} {100 * r['weight_frac_copy']:5.1f}"
               f" {peer}  {sw}")
     for r in by("linear"):

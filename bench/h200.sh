@@ -34,7 +34,7 @@ step() {   # step NAME: its timeout (s) and command
     kernels)   limit=260; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
-    bench_linear) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
+    bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
                               --out $OUT/bench_sync_vllm_24.json" ;;   # 30 GB checkpoint: 48 layers exceed the disk
