@@ -229,6 +229,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
                 row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
+                tuned = cuda_mma.throughput_options(m, n, k)   # the warpgroup-MMA variant, tiles as the default's
+                row["wgmma_tiled_kernel_ms"] = graph_ms(
+                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, wgmma=True, **tuned) for w in w_t]) / len(w_t)
+                if tuned:                                 # the mma.sync kernel with the same tiles, beside it
+                    row["mma_tiled_tuned_kernel_ms"] = graph_ms(
+                        lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)
                     row["mma_rw_ms"] = {rw: graph_ms(lambda rw=rw: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=rw)
                                                                     for w in w_q]) / len(w_q) for rw in MMA_RW_SWEEP}
@@ -348,6 +354,9 @@ def bench_moe(log, quick: bool) -> None:
                                                 for tw, ti in routes]) / n_routes
                 for tile, cfg in (("16-row", EXACT_MOE_DECODE), ("64-row", dict(triton_gemm.EXACT_GROUPED, W_CODES=True)))
                 if (tile == "16-row" and t <= 1024) or (tile == "64-row" and t >= 128)}
+        if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
+            row["mma_wgmma_ms"] = graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
+                                                    for tw, ti in routes]) / n_routes
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
@@ -390,6 +399,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
               f" {peer}  {sw}")
     for r in by("linear"):
         if "mma_kernel_ms" in r:
+            print(f"  mma  {r['shape']:13s} M={r['m']:2d}: wgmma variant alone {r['wgmma_tiled_kernel_ms'] * 1e3:.1f} us vs "
+                  f"mma.sync {r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)")
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
@@ -425,6 +436,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+    for r in by("moe"):
+        if "mma_wgmma_ms" in r:
+            print(f"  mma {r['tokens']:6d} tokens, warpgroup-MMA variant: {r['mma_wgmma_ms'] * 1e3:.1f} us")
     for r in by("moe"):
         if "exact_codes_ms" in r:
             print(f"  exact {r['tokens']:6d} tokens, codes decoded in the GEMM, by expert tile: "

@@ -197,15 +197,40 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("NVFP4_SAMPLER_CACHE", pathlib.Path.home() / ".cache" / "nvfp4_sampler"))
 
 
+def _wgmma_source(nt: int) -> str:
+    """CUDA `wgmma_k32` for NT token tiles (the .cu file's WGMMA variant): the two k16 steps of a word of
+    codes, each one warpgroup MMA m64n{8 NT}k16 (A: a[0..3], a[4..7] from registers; B: the shared-memory
+    descriptors b0, b1), completed before it returns, since the next decode rewrites the A registers."""
+    n = 4 * nt
+    acc = ", ".join(f"%{i}" for i in range(n))
+
+    def mma(first_a: int, desc: int) -> str:
+        regs = ", ".join(f"%{first_a + i}" for i in range(4))
+        return f'"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.f16.f16 {{{acc}}}, {{{regs}}}, %{desc}, p, 1, 1, 0;\\n"'
+
+    outs = ", ".join(f'"+f"(acc[{j}][{v}])' for j in range(nt) for v in range(4))
+    ins = ", ".join(f'"r"(a[{i}])' for i in range(8))
+    return ("__device__ __forceinline__ void wgmma_k32(float (&acc)[NT][4], const unsigned (&a)[8],\n"
+            "                                          unsigned long long b0, unsigned long long b1) {\n"
+            f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 10}, 0;\\nwgmma.fence.sync.aligned;\\n"\n'
+            f"               {mma(n, n + 8)}\n               {mma(n + 4, n + 9)}\n"
+            '               "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 0;\\n}"\n'
+            f'               : {outs}\n               : {ins}, "l"(b0), "l"(b1), "r"(1)\n'
+            '               : "memory");\n}\n')
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int):
+def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
+            wgmma: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
-    dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32."""
+    dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
+    wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`)."""
     from torch.cuda import _utils
-    cap = "".join(map(str, torch.cuda.get_device_capability(device_index)))
+    cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
-               f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}"]
-    source = _SOURCE.read_text()
+               f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
+               f"-DWGMMA={int(wgmma)}"]
+    source = (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -255,7 +280,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
-           rw: int | None = None, nt: int | None = None, stages: int = STAGES) -> torch.Tensor:
+           rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool = False) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -268,6 +293,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           them (rows of x and out in that schedule's order; empty ranges are skipped); nt must be given
     cps   override of `config`'s chunks per split (benchmarks); rw, nt: of `tiles`' warps and token
           tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
+    wgmma the warpgroup-MMA variant (sm_90a; rw % 4 == 0): one wgmma per k16 step and 4 warps instead of
+          2 * nt mma.sync per warp (a candidate, forced only until measured)
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -300,13 +327,15 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         return out
     cfg = config(n, k, cps=cps)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
+    if wgmma and rw % 4:
+        raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
-    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")

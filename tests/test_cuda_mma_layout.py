@@ -5,7 +5,7 @@
    activation permutation pairs each weight element with its own activation element, so the sum
    over the MMA's slots is the plain dot product (exactly, in float64).
 2. The source compiles for sm_90 with nvcc (when nvcc is on PATH) without register spills, for every
-   variant the host launches.
+   variant the host launches (the warpgroup-MMA one for sm_90a, its shared-memory layout modelled in 1).
 The GPU test (`tests/test_gpu_mma.py`) checks the kernel's numbers on the H200.
 """
 from __future__ import annotations
@@ -56,6 +56,16 @@ def test_decode_gives_exact_fp16_pairs():
         assert np.array_equal(b * 2.0 ** 14, E2M1[nib(words, el_hi)]), shift
 
 
+_SELS = re.search(r"const u32 p\[4\] = \{prmt\(v\.y, v\.w, (0x\w+)\), prmt\(v\.y, v\.w, (0x\w+)\), "
+                  r"prmt\(v\.x, v\.z, (0x\w+)\), prmt\(v\.x, v\.z, (0x\w+)\)\};", SOURCE).groups()
+
+
+def _staged_pairs(v: list[np.ndarray]) -> list[np.ndarray]:
+    """The staging's four permuted FP16 pairs p[0..3] of one 16-byte load v.x .. v.w (selectors from the source)."""
+    return [_prmt(v[1], v[3], int(_SELS[0], 16)), _prmt(v[1], v[3], int(_SELS[1], 16)),
+            _prmt(v[0], v[2], int(_SELS[2], 16)), _prmt(v[0], v[2], int(_SELS[3], 16))]
+
+
 def test_activation_permutation_pairs_each_element_with_its_weight():
     """One 8-element word of codes and its 8 activations: the two k16 steps' MMA slots sum to the dot."""
     rng = np.random.default_rng(0)
@@ -64,10 +74,7 @@ def test_activation_permutation_pairs_each_element_with_its_weight():
     x = rng.choice(E2M1, size=(1000, 8)) * 2.0 ** rng.integers(-6, 6, size=(1000, 1))
     xh = x.astype("<f2").view("<u2").astype(np.uint32)
     v = [xh[:, 2 * i] | (xh[:, 2 * i + 1] << np.uint32(16)) for i in range(4)]      # v.x .. v.w of the load
-    sels = re.search(r"make_uint4\(prmt\(v\.y, v\.w, (0x\w+)\), prmt\(v\.y, v\.w, (0x\w+)\),\s*"
-                     r"prmt\(v\.x, v\.z, (0x\w+)\), prmt\(v\.x, v\.z, (0x\w+)\)\)", SOURCE).groups()
-    staged = [_prmt(v[1], v[3], int(sels[0], 16)), _prmt(v[1], v[3], int(sels[1], 16)),
-              _prmt(v[0], v[2], int(sels[2], 16)), _prmt(v[0], v[2], int(sels[3], 16))]
+    staged = _staged_pairs(v)
     # step 2w: A pairs dec(w), dec(w << 4) with B staged .x, .y; step 2w+1: dec(w << 8), dec(w << 12) with .z, .w
     total = np.zeros(1000)
     for shift, b in zip((0, 4, 8, 12), staged):
@@ -76,6 +83,57 @@ def test_activation_permutation_pairs_each_element_with_its_weight():
         total += a_lo * b_lo + a_hi * b_hi
     want = (E2M1[codes] * x).sum(1)
     assert np.array_equal(total * 2.0 ** 14, want)
+
+
+def _c_expr(pattern: str) -> str:
+    """A C integer expression of the source (+, *, >>, parentheses: Python evaluates it alike)."""
+    return re.search(pattern, SOURCE).group(1)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 8])
+def test_wgmma_staging_is_what_the_descriptors_read(nt):
+    """The WGMMA variant: the staging's stores (expressions read from the source) put each token's permuted
+    pairs where a K-major, unswizzled wgmma B descriptor with the source's byte offsets reads element
+    B[k][token] of each k16 step (core matrices of 8 tokens x 16 bytes, k halves `LBO` apart, 8-token
+    groups `SBO` apart: the PTX ISA's canonical layout), and those B times the A fragments of the decoded
+    codes (mma's A layout per warp) sum to each token's dot product exactly, over two chunks."""
+    rows_at = _c_expr(r"u32\* rows = reinterpret_cast<u32\*>\(xs\) \+ (.+?);")
+    store_at = _c_expr(r"for \(int h = 0; h < 4; \+\+h\) rows\[(.+?)\] = p\[h\];")
+    lbo, sbo = _c_expr(r"\| \(\(u64\)\(([^()]+) >> 4\) << 16\)"), _c_expr(r"\| \(\(u64\)\(([^()]+) >> 4\) << 32\)")
+    step_at = _c_expr(r"const u32 step = xs_s \+ (.+?);")
+    second_at = _c_expr(r"b_desc\(step\), b_desc\(step \+ (.+?)\)\);")
+    rng = np.random.default_rng(nt)
+    ntok, chunks = 8 * nt, 2
+    x = rng.choice(E2M1, size=(ntok, chunks * 128)) * 2.0 ** rng.integers(-4, 4, size=(ntok, 1))
+    xh = x.astype("<f2").view("<u2").astype(np.uint32)
+    smem = np.zeros(chunks * 128 * ntok // 2, dtype=np.uint32)
+    for i in range(chunks):
+        for wd in range(4):
+            for tt in range(4):
+                for m in range(ntok):
+                    k0 = i * 128 + tt * 32 + wd * 8
+                    v = [np.array([xh[m, k0 + 2 * j] | (xh[m, k0 + 2 * j + 1] << np.uint32(16))]) for j in range(4)]
+                    base = eval(rows_at, dict(i=i, wd=wd, m=m, tt=tt, NT=nt))
+                    for h, pair in enumerate(_staged_pairs(v)):
+                        smem[base + eval(store_at, dict(h=h, NT=nt))] = pair[0]
+    halves = smem.view("<u2").view("<f2").astype(np.float64)             # byte address b: halves[b // 2]
+    lbo, sbo = eval(lbo, dict(NT=nt)), eval(sbo, dict(NT=nt))
+    codes = rng.integers(0, 16, size=chunks * 128, dtype=np.uint32)       # one weight row
+    total = np.zeros(ntok)
+    for c in range(chunks):
+        for wd in range(4):
+            step = eval(step_at, dict(xs_s=0, c=c, wd=wd, NT=nt))
+            for half, start in enumerate((step, step + eval(second_at, dict(NT=nt)))):
+                b = np.array([[halves[(start + (kk // 8) * lbo + (n // 8) * sbo + (n % 8) * 16 + (kk % 8) * 2) // 2]
+                               for n in range(ntok)] for kk in range(16)])
+                for t in range(4):
+                    el = c * 128 + 32 * t + 8 * wd
+                    word = np.uint32(sum(int(codes[el + i]) << (4 * i) for i in range(8)))
+                    a01 = _halves(_dec(np.array([word << np.uint32(8 * half)], dtype=np.uint32)))
+                    a89 = _halves(_dec(np.array([(word << np.uint32(8 * half + 4)) & np.uint32(0xFFFFFFFF)],
+                                                dtype=np.uint32)))
+                    total += a01[0] * b[2 * t] + a01[1] * b[2 * t + 1] + a89[0] * b[2 * t + 8] + a89[1] * b[2 * t + 9]
+    assert np.array_equal(total * 2.0 ** 14, x @ E2M1[codes])
 
 
 _PAIRS = re.search(r"#if TILED\n  p\[0\] = w & (0x\w+)u;\n  p\[1\] = \(w << (\d+)\) & (0x\w+)u;\n"
@@ -105,17 +163,23 @@ def test_tiled_words_decode_to_the_same_pairs():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32", [
-    (1, 4, 1, 0, cuda_mma.STAGES, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0), (2, 8, 0, 0, 8, 0), (1, 4, 1, 1, 2, 0),
-    (4, 8, 1, 0, cuda_mma.STAGES, 0), (8, 8, 1, 1, cuda_mma.STAGES, 0),     # 64 tokens a CTA (tiled, as engines store)
-    (4, 16, 1, 1, cuda_mma.STAGES, 0),                                      # `throughput_options` on wide weights
-    (1, 4, 0, 0, cuda_mma.STAGES, 1), (2, 8, 0, 0, cuda_mma.STAGES, 1),      # the grouped MoE's fp32 output
-    (4, 8, 0, 0, cuda_mma.STAGES, 1)])                                      # (NT 1, 2, 4: bench_moe's sweep)
-def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32):
-    res = subprocess.run(["nvcc", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
+@pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32,wgmma", [
+    (1, 4, 1, 0, cuda_mma.STAGES, 0, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0, 0), (2, 8, 0, 0, 8, 0, 0),
+    (1, 4, 1, 1, 2, 0, 0), (4, 8, 1, 0, cuda_mma.STAGES, 0, 0),
+    (8, 8, 1, 1, cuda_mma.STAGES, 0, 0),                                   # 64 tokens a CTA (tiled, as engines store)
+    (4, 16, 1, 1, cuda_mma.STAGES, 0, 0),                                  # `throughput_options` on wide weights
+    (1, 4, 0, 0, cuda_mma.STAGES, 1, 0), (2, 8, 0, 0, cuda_mma.STAGES, 1, 0),   # the grouped MoE's fp32 output
+    (4, 8, 0, 0, cuda_mma.STAGES, 1, 0),                                   # (NT 1, 2, 4: bench_moe's sweep)
+    (1, 4, 1, 1, cuda_mma.STAGES, 0, 1), (2, 8, 1, 1, cuda_mma.STAGES, 0, 1),   # the warpgroup-MMA variant
+    (8, 8, 1, 1, cuda_mma.STAGES, 0, 1), (4, 16, 1, 1, cuda_mma.STAGES, 0, 1), (1, 4, 0, 0, cuda_mma.STAGES, 1, 1)])
+def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32, wgmma):
+    source = tmp_path / "k.cu"
+    source.write_text((cuda_mma._wgmma_source(nt) if wgmma else "") + SOURCE)
+    arch = "90a" if wgmma else "90"
+    res = subprocess.run(["nvcc", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-Xptxas", "-v",
                           f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}", f"-DSTAGES={stages}",
-                          f"-DOUT_F32={f32}",
-                          "-o", str(tmp_path / "k.cubin"), str(cuda_mma._SOURCE)], capture_output=True, text=True)
+                          f"-DOUT_F32={f32}", f"-DWGMMA={wgmma}",
+                          "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "0 bytes spill stores" in res.stderr, res.stderr
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))

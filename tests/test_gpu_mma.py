@@ -98,6 +98,52 @@ def test_warps_tokens_per_cta_and_stages_do_not_change_the_result(mods, m, tiled
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("m", [1, 9, 16, 40, 64, 100])
+@pytest.mark.parametrize("n,k", [(640, 2048), (48, 384), (4096, 4096)])
+def test_wgmma_variant_matches_reference_and_is_batch_invariant(mods, m, n, k):
+    """`launch(wgmma=True)` (one warpgroup MMA per k16 step, the tokens read from shared memory through
+    descriptors; N = 48 leaves warps of a warpgroup past N): within the reference's bound, deterministic,
+    the same bits in both weight layouts and for every rw / nt / stages, and each row's bits the same
+    alone as in the batch."""
+    cuda_mma, _, tq = mods
+    x, w = _x(m, k, seed=m + n + 5), _w(n, k, seed=n + 3, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+
+    def run(wk, rows=slice(None), **opts):
+        out = torch.full((a.values[rows].shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cuda_mma.launch(a.values[rows].contiguous(), a.global_scale[rows].contiguous(), wk, out, bias=bias, wgmma=True,
+                        **opts)
+        return out
+
+    got = run(w)
+    _check(got, x, w, bias)
+    assert torch.equal(run(w), got), "not deterministic"
+    assert torch.equal(run(cuda_mma.tile_weight(w)), got), "the tiled layout changed the result"
+    for opts in (dict(rw=4, nt=1), dict(rw=16, nt=8, stages=2), dict(rw=8, nt=4, stages=6)):
+        assert torch.equal(run(w, **opts), got), opts
+    assert torch.equal(run(w, slice(m // 2, m // 2 + 1)), got[m // 2:m // 2 + 1]), "row alone"
+
+
+def test_wgmma_variant_grouped(mods):
+    """The grouped (MoE) launch of the wgmma variant: fp32 out within 1e-2 of the mma.sync variant's."""
+    cuda_mma, _, tq = mods
+    from nvfp4_sampler.kernels import triton_moe
+    experts, n, k, tokens, top_k = 8, 256, 1024, 40, 2
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = reference.quantize_weight((torch.randn(experts, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
+    x = _x(tokens * top_k, k, seed=4)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    order, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    outs = []
+    for wgmma in (False, True):
+        outs.append(torch.full((tokens * top_k, n), float("nan"), device="cuda"))
+        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], schedule=schedule, nt=cuda_mma.GROUPED_NT,
+                        rw=4, wgmma=wgmma)
+    assert torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
+
+
 def test_mma_fp16_output(mods):
     cuda_mma, _, tq = mods
     x = _x(5, 1024, seed=1).to(torch.float16)

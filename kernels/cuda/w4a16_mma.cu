@@ -7,6 +7,9 @@
 //   TILED     1: weight codes and scales in the tiled order of `cuda_mma.tile_weight`, 0: ModelOpt row-major
 //   STAGES    chunks in each warp's ring in shared memory (2..8): a warp streams its rows through it by
 //             cp.async, STAGES - 1 chunks in flight without holding registers
+//   WGMMA     1: each k16 step is one warpgroup MMA (wgmma.mma_async.m64n{8 NT}k16, sm_90a) per 4 warps instead
+//             of 2 NT mma.sync per warp, the activations read by the tensor cores from shared memory;
+//             needs RW % 4 == 0 and `wgmma_k32`, which the host generates for NT (`cuda_mma._wgmma_source`)
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
@@ -31,6 +34,14 @@
 // tiles[0][z] of a stacked weight [E, N, K] (its codes, scales and global scales offset by the expert);
 // an empty range exits before it touches anything (the schedule's spare tiles).
 //
+// WGMMA. The register A operand of wgmma.m64nNk16 is, per warp, mma.m16n8k16's A fragment (warp w of a
+// warpgroup: rows 16 w..16 w + 15 of the 64), and its FP32 accumulator fragment is mma's C fragment for
+// each 8 columns, so the decode and the epilogue are the same. B (the tokens) is read from shared memory
+// through a descriptor: K-major without swizzle, core matrices of 8 tokens x 16 bytes (8 k), the two
+// k-halves of a step NT * 128 bytes apart (leading byte offset), consecutive 8-token groups 128 bytes
+// apart (stride byte offset). The staging writes the permuted pairs in that layout: [chunk][word][mma
+// half][k half][token][t] (4 bytes per t), so the k order both operands share is the one above.
+//
 // Reduction order. Each output element is summed in a fixed order that depends on (N, K) and the
 // launch constants only, never on M or on the other tokens: k16 steps in order inside a warp, then
 // the split-K planes in order 0..S-1 by the last CTA of a tile (atomic ticket). Deterministic and
@@ -38,6 +49,14 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#ifndef WGMMA
+#define WGMMA 0
+#endif
+#if WGMMA && RW % 4
+#error "WGMMA needs whole warpgroups: RW % 4 == 0"
+#endif
 
 // Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
 // (whose 128 would take 174 registers).
@@ -171,9 +190,17 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
 #endif
 }
 
-// One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations.
+#if WGMMA
+// The descriptor of one k16 step's B tile at shared address `addr` (K-major, no swizzle; the header's WGMMA).
+__device__ __forceinline__ u64 b_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(NT * 128 >> 4) << 16) | ((u64)(128 >> 4) << 32);
+}
+#endif
+
+// One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations
+// (xs_s: their shared address, for the WGMMA descriptors).
 __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1, float (&acc)[NT][4],
-                                              const uint4* xs, int c, int g, int t) {
+                                              const uint4* xs, u32 xs_s, int c, int g, int t) {
   u32 sc0[2], sc1[2];                                   // rows g and g + 8
   block_scales(s0, sc0);
   block_scales(s1, sc1);
@@ -184,12 +211,18 @@ __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1
     u32 pa[4], pb[4];                                   // rows g and g + 8
     scaled_pairs(w0[wd], sc0[wd >> 1], pa);
     scaled_pairs(w1[wd], sc1[wd >> 1], pb);
+#if WGMMA
+    const u32 a[8] = {pa[0], pb[0], pa[1], pb[1], pa[2], pb[2], pa[3], pb[3]};
+    const u32 step = xs_s + (c * 4 + wd) * 2 * (2 * NT * 128);    // [chunk][word][half][k half][token][t]
+    wgmma_k32(acc, a, b_desc(step), b_desc(step + 2 * NT * 128));
+#else
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const uint4 bx = xs[((c * 4 + wd) * (NT * 8) + j * 8 + g) * 4 + t];
       mma(acc[j], pa[0], pb[0], pa[1], pb[1], bx.x, bx.y);
       mma(acc[j], pa[2], pb[2], pa[3], pb[3], bx.z, bx.w);
     }
+#endif
   }
 }
 
@@ -251,10 +284,13 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   const u16* sp = w_scales + w_index(n0, (lane >> 1) & 7, (lane & 1) * 2, lane >> 4, c0, K);
   const uint4* ring = xs + NT * 8 * cps * 16 + warp * STAGES * SLOT;
   const u32 ring_s = smem_addr(ring);
-  if (rows_ok)
+  // WGMMA: every warp of a warpgroup takes part in its MMAs, so warps past N run the loop on empty slots
+  // (their accumulators are never stored); otherwise they skip it
+  const bool loop = WGMMA || rows_ok;
+  if (loop)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i, qa += CSTEP, qb += CSTEP, sp += CSTEP)
-      issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, i < nc);
+      issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, rows_ok && i < nc);
   // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
@@ -262,24 +298,34 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     uint4 v = make_uint4(0, 0, 0, 0);
     if (m0 + m < m_end && i < nc)
       v = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
-    xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410),
-                                                            prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410));
+    const u32 p[4] = {prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410)};
+#if WGMMA
+    u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;   // pair h of the
+#pragma unroll                                                                             // step's k halves
+    for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
+#else
+    xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
+#endif
   }
+#if WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the staged tiles, visible to the MMAs' reads
+#endif
   __syncthreads();
 
   // 2. decode and multiply each chunk while the next ones load
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  if (rows_ok) {
+  if (loop) {
+    const u32 xs_s = smem_addr(xs);
     int rd = 0, wr = STAGES - 1;           // the slots chunk c is read from and chunk c + STAGES - 1 lands in
     for (int c = 0; c < nc; ++c, qa += CSTEP, qb += CSTEP, sp += CSTEP) {
       cp_async_wait<STAGES - 2>();         // chunk c has landed when at most STAGES - 2 groups are pending; the
       __syncwarp();                        // syncwarp also retires every lane's reads of the slot issued next
-      issue_chunk(ring_s + wr * SLOT * 16, lane, qa, qb, sp, c + STAGES - 1 < nc);
+      issue_chunk(ring_s + wr * SLOT * 16, lane, qa, qb, sp, rows_ok && c + STAGES - 1 < nc);
       const uint4* slot = ring + rd * SLOT;
       const u16* sc = reinterpret_cast<const u16*>(slot + 64);
-      compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, c, g, t);
+      compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, xs_s, c, g, t);
       rd = rd == STAGES - 1 ? 0 : rd + 1;
       wr = wr == STAGES - 1 ? 0 : wr + 1;
     }
