@@ -50,6 +50,7 @@ MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
 MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 64
+MMA_CPS_SWEEP_MOE = (4, 8, 16)            # chunks of 128 per split-K slice, MoE at 16-256 tokens
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
@@ -357,6 +358,10 @@ def bench_moe(log, quick: bool) -> None:
         if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
             row["mma_wgmma_ms"] = graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
                                                     for tw, ti in routes]) / n_routes
+        if 16 <= t <= 256:                        # split-K slice: `config` gives w13 4 chunks (4 slices of ~18 KB
+            row["mma_cps_ms"] = {                 # of weights per CTA at 16 tokens); fewer, longer slices
+                cps: graph_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
+                                               for tw, ti in routes]) / n_routes for cps in MMA_CPS_SWEEP_MOE}
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
@@ -436,6 +441,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+    for r in by("moe"):
+        if "mma_cps_ms" in r:
+            print(f"  mma {r['tokens']:6d} tokens by split-K slice (chunks of 128): "
+                  + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_cps_ms"].items()) + " us")
     for r in by("moe"):
         if "mma_wgmma_ms" in r:
             print(f"  mma {r['tokens']:6d} tokens, warpgroup-MMA variant: {r['mma_wgmma_ms'] * 1e3:.1f} us")
