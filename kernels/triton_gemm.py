@@ -234,21 +234,39 @@ EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, 
 
 
 @triton.jit
+def _exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES: tl.constexpr, USE_ASM: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Rows wrow [BLOCK_N] (int64), elements [k0, k0 + BLOCK_K) of the unscaled weight as exact fp16
+    [BLOCK_N, BLOCK_K]: loaded from the fp16 copy, or (W_CODES) decoded from the codes and e4m3 scales."""
+    if W_CODES:
+        c = tl.load(w + wrow[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :], mask=cmask[:, None],
+                    other=0)
+        s = tl.load(w_scales + wrow[:, None] * tl.multiple_of(K // 16, 4) + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :],
+                    mask=cmask[:, None], other=0.0)           # a row's scales: whole 4-byte words (one cp.async)
+        lo, hi = _decode(c, s, USE_ASM)
+        tile = tl.reshape(tl.join(lo, hi), (wrow.shape[0], BLOCK_K))
+    else:
+        tile = tl.load(w + wrow[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=cmask[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
 def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched, Z, M,
-                       N, K, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, W_CODES: tl.constexpr,
-                       USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                       N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       W_CODES: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
-    a: exact fp16 rows [M, K]. w: the unscaled weights [E, N, K] (E = 1 dense) as exact fp16 values, or
-    (W_CODES) as packed codes uint8 [E, N, K/2] with e4m3 w_scales [E, N, K/16], decoded in registers
-    each K step (prefetched two steps ahead) and fed to the MMA from there. The products are exact,
-    accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first operand).
-    Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M row tiles
-    at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial planes
-    in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`, counters: one per
-    output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first row, end row; rows
-    sorted by expert), column tile major, SPLIT_K 1."""
+    a: exact fp16 rows [M, K]. w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
+    or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16], decoded in
+    registers each K step. W_ROWS = N, or 2N with SWIGLU (gate rows, then up rows: the program also
+    accumulates the up rows of its columns and stores silu(gate) * up, `triton_quant.swiglu`). The products
+    are exact, accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first
+    operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
+    row tiles at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial
+    planes in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`, counters:
+    one per output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first row, end
+    row; rows sorted by expert), column tile major, SPLIT_K 1."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     if GROUPED:
@@ -272,34 +290,22 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     rmask = rows < r1
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    wrow = e.to(tl.int64) * N + cols
+    wrow = e.to(tl.int64) * (2 * N if SWIGLU else N) + cols
     a_row = a + rows.to(tl.int64)[:, None] * K
     k_per = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if W_CODES:
-        KH: tl.constexpr = BLOCK_K // 2
-        KB: tl.constexpr = BLOCK_K // 16
-        row_s = tl.multiple_of(K // 16, 4)           # a row's scales: whole 4-byte words (one cp.async, not 4)
-        for k0 in range(k_lo, k_hi, BLOCK_K):        # K % BLOCK_K == 0: no mask along K
-            c0 = tl.load(w + wrow[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, KH))[None, :], mask=cmask[:, None],
-                         other=0)
-            s0 = tl.load(w_scales + wrow[:, None] * row_s + (k0 // 16 + tl.arange(0, KB))[None, :],
-                         mask=cmask[:, None], other=0.0)
-            lo, hi = _decode(c0, s0, USE_ASM)
-            w_t = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-            a_t = tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0)
-            acc = tl.dot(w_t, tl.trans(a_t), acc)
-    else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)[None, :]
-            w_t = tl.load(w + wrow[:, None] * K + kk, mask=cmask[:, None], other=0.0)
-            a_t = tl.load(a_row + kk, mask=rmask[:, None], other=0.0)
-            acc = tl.dot(w_t, tl.trans(a_t), acc)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):              # K % BLOCK_K == 0: no mask along K
+        a_t = tl.trans(tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0))
+        acc = tl.dot(_exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t, acc)
+        if SWIGLU:
+            acc_u = tl.dot(_exact_weight_tile(w, w_scales, wrow + N, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t,
+                           acc_u)
     a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
-    triton_gemv._finish_tile(acc, acc, a_g, rows, rmask, cols, cmask, e, pid, pid_k, M * N, ws, counters, out, w_gs,
-                             stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, False, False, HAS_BIAS)
+    triton_gemv._finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, pid, pid_k, M * N, ws, counters, out, w_gs,
+                             stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, SWIGLU, False, HAS_BIAS)
 
 
 def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
@@ -316,13 +322,14 @@ def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: in
 
 
 def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
-                 schedule: torch.Tensor | None = None, config: dict | None = None,
+                 schedule: torch.Tensor | None = None, swiglu: bool = False, config: dict | None = None,
                  use_asm: bool = not triton_quant.INTERPRET) -> None:
     """`_exact_gemm_kernel`: exact fp16 rows a [M, K] (`triton_quant.quantize_per_token_exact(...,
     dtype=float16)`) against w [N, K] (dense; global_scale [] or [N]) or stacked experts w [E, N, K]
     with `schedule` ([3, Z] int32 from `triton_moe.schedule_rows`; global_scale [E] or [E, N]) into
     out [M, N] (fp32 or the activation dtype). The weights are dequantized to exact FP16 for the call (no
     second-level scale, no cache), or with config W_CODES decoded inside the GEMM (ModelOpt layout).
+    swiglu: w has 2N rows (gate, then up; per expert) and out = silu(gate) * up (the MoE's w13).
     config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override). use_asm: the decode's PTX
     table (GPU default) or portable arithmetic (same values; the interpreter)."""
     grouped = schedule is not None
@@ -331,6 +338,9 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
                          f"{'given' if grouped else 'missing'}")
     cfg = dict(config or (EXACT_GROUPED if grouped else EXACT_DENSE))
     n, k = w.shape[-2:]
+    n //= 2 if swiglu else 1
+    if out.shape[-1] != n:
+        raise ValueError(f"out has {out.shape[-1]} columns, the weight gives {n} (swiglu={swiglu})")
     if k % cfg["BLOCK_K"]:
         raise ValueError(f"the exact GEMM needs K % {cfg['BLOCK_K']} == 0, got K={k}")
     if cfg["W_CODES"] and w.layout != "modelopt":
@@ -349,7 +359,7 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
     gse, gsn = triton_gemv._gs_strides(w.global_scale, w.codes.dim())
     _exact_gemm_kernel[(tiles, cfg["SPLIT_K"])](
         a.values, a.global_scale, *weight, w.global_scale, gse, gsn, bias, out, ws, cnt, schedule, z, m, n, k,
-        GROUPED=grouped, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+        GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
 
 
 def packed_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,

@@ -6,8 +6,9 @@ Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the sha
 `_moe_tiled`, the tensor-core kernel of the dense decode over 8-row tiles of each expert's rows, each
 active expert's weights read once per tile, in six launches (`schedule_rows`, two quantizers, two GEMMs,
 `combine`) (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16 grouped GEMM;
-16 tokens: 214 vs 173 us for the pairs). path="exact" (forced only until measured): the same six steps
-with a Triton FP16 tensor-core GEMM over 64-row tiles against the experts dequantized to exact FP16.
+16 tokens: 214 vs 173 us for the pairs). path="exact" (forced only until measured): the same steps
+with a Triton FP16 tensor-core GEMM over 64-row tiles against the experts dequantized to exact FP16
+(`triton_gemm.launch_exact`), the SwiGLU fused into w13's epilogue.
 Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`schedule_rows`)
@@ -208,9 +209,9 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     pass, w2 into fp32 [P, H], each token's k rows times their router weights summed in slot order
     (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: a benchmark override
     of `cuda_mma.GROUPED_NT`, every bit the same; cps: of `cuda_mma.config`'s split-K slice, which changes
-    the summation order; wgmma: the kernel's warpgroup-MMA variant, a candidate)
-    or "exact" (`triton_gemm.launch_exact` over tiles of
-    EXACT_GROUPED rows against the experts dequantized to exact FP16 for the call: larger batches;
+    the summation order; wgmma: the kernel's warpgroup-MMA variant, a candidate) or "exact"
+    (`triton_gemm.launch_exact` over tiles of EXACT_GROUPED rows against the experts dequantized to exact
+    FP16 for the call, SwiGLU in w13's epilogue (the same operations, no fp32 [P, 2I]): larger batches;
     config: a benchmark override of EXACT_GROUPED, e.g. W_CODES to decode the codes inside the GEMM).
     Deterministic: fixed split-K order, a stable sort."""
     from . import cuda_mma
@@ -238,9 +239,14 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
             triton_gemm.launch_exact(a, w, out, schedule=schedule, config=config)
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
     a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
-    h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
-    launch(a, w13, h13, schedule)
-    b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
+    if gemm == "mma":
+        h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
+        launch(a, w13, h13, schedule)
+        b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
+    else:                                       # SwiGLU in the GEMM's epilogue: no fp32 [P, 2I] round trip
+        act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+        triton_gemm.launch_exact(a, w13, act, schedule=schedule, swiglu=True, config=config)
+        b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     launch(b, w2, y, schedule)
     return combine(y, pos, topk_weights, x.dtype)

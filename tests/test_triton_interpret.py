@@ -229,7 +229,7 @@ def check_gathered_and_swiglu_rows(op_order: str) -> None:
 def check_moe_exact(op_order: str) -> None:
     """path="exact" (tiles of 64 rows of one expert, FP16 tensor-core GEMM over exact values, fp32 out),
     with tiles that end inside an expert and an expert with no rows: its w13 GEMM equal to the rows'
-    products computed in torch; the layer within 1% of the grouped path's (both round the SwiGLU
+    products computed in torch, its SwiGLU epilogue the bits of the SwiGLU quantizer on that fp32 output; the layer within 1% of the grouped path's (both round the SwiGLU
     intermediate to bf16, which this interpreter does by truncation: ~3% from `reference.moe` for every
     path here; on the GPU, tests/test_gpu_mma), deterministic."""
     from nvfp4_sampler.kernels import reference, triton_gemm, triton_moe, triton_quant
@@ -250,6 +250,12 @@ def check_moe_exact(op_order: str) -> None:
     w_deq = triton_gemm.dequantize_exact(w13, torch.float16).float()
     want = torch.einsum("pk,pnk->pn", a.values.float(), w_deq[expert]) * a.global_scale[:, None] * w13.global_scale[expert, None]
     assert torch.allclose(h13, want, rtol=hidden * 2 ** -23, atol=0.0)
+    act = torch.full((tokens * top_k, inter), float("nan"), dtype=torch.bfloat16)   # SwiGLU in the epilogue:
+    triton_gemm.launch_exact(a, w13, act, schedule=schedule, swiglu=True)            # the rows the swiglu
+    fused = triton_quant.quantize_per_token_exact(act, dtype=torch.float16, op_order=op_order)   # quantizer
+    apart = triton_quant.quantize_per_token_exact(h13, dtype=torch.float16, swiglu=torch.bfloat16,  # makes of
+                                                  op_order=op_order)                                # h13
+    assert torch.equal(fused.values, apart.values) and torch.equal(fused.global_scale, apart.global_scale)
     decoded = torch.full_like(h13, float("nan"))                       # the codes decoded inside the kernel
     triton_gemm.launch_exact(a, w13, decoded, schedule=schedule, config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True))
     assert torch.allclose(decoded, want, rtol=hidden * 2 ** -23, atol=0.0)

@@ -36,17 +36,18 @@ def _ptxas(ptx: str, ptxas: str) -> str:
 
 
 @pytest.mark.parametrize("w_codes", [False, True], ids=["fp16-weights", "codes"])
-@pytest.mark.parametrize("grouped", [True, False], ids=["moe", "dense"])
-def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, w_codes):
+@pytest.mark.parametrize("grouped,swiglu", [(True, True), (True, False), (False, False)],
+                         ids=["moe-w13", "moe-w2", "dense"])
+def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swiglu, w_codes):
     from nvfp4_sampler.kernels import triton_gemm
     cfg = dict(triton_gemm.EXACT_GROUPED if grouped else triton_gemm.EXACT_DENSE, W_CODES=w_codes)
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
-    consts.update(GROUPED=grouped, HAS_BIAS=not grouped, USE_ASM=True)
+    consts.update(GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=not grouped, USE_ASM=True)
     if not w_codes:
         consts["w_scales"] = None
     sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*u8" if w_codes else "*fp16", "w_scales": "*fp8e4nv",
            "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "bias": "*bf16",
-           "out": "*fp32" if grouped else "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
+           "out": "*fp32" if grouped and not swiglu else "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
            **{k: "constexpr" for k in consts}}
     ptx, log = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
                         ("a", "a_gs", "w", "w_gs", "bias", "out", "sched", "N", "K")
