@@ -356,8 +356,8 @@ def bench_moe(log, quick: bool) -> None:
                 for tile, cfg in (("16-row", EXACT_MOE_DECODE), ("64-row", dict(triton_gemm.EXACT_GROUPED, W_CODES=True)))
                 if (tile == "16-row" and t <= 1024) or (tile == "64-row" and t >= 128)}
         if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
-            row["mma_wgmma_ms"] = graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
-                                                    for tw, ti in routes]) / n_routes
+            row["mma_wgmma_ms"] = {"NT 1": graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
+                                                             for tw, ti in routes]) / n_routes}
         if 16 <= t <= 256:                        # split-K slice: `config` gives w13 4 chunks (4 slices of ~18 KB
             row["mma_cps_ms"] = {                 # of weights per CTA at 16 tokens); fewer, longer slices
                 cps: graph_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
@@ -441,21 +441,13 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
-    for r in by("moe"):
-        if "mma_cps_ms" in r:
-            print(f"  mma {r['tokens']:6d} tokens by split-K slice (chunks of 128): "
-                  + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_cps_ms"].items()) + " us")
-    for r in by("moe"):
-        if "mma_wgmma_ms" in r:
-            print(f"  mma {r['tokens']:6d} tokens, warpgroup-MMA variant: {r['mma_wgmma_ms'] * 1e3:.1f} us")
-    for r in by("moe"):
-        if "exact_codes_ms" in r:
-            print(f"  exact {r['tokens']:6d} tokens, codes decoded in the GEMM, by expert tile: "
-                  + ", ".join(f"{tile}: {ms * 1e3:.1f}" for tile, ms in r["exact_codes_ms"].items()) + " us")
-    for r in by("moe"):
-        if "mma_nt_ms" in r:
-            print(f"  mma {r['tokens']:6d} tokens by NT (token tiles of 8 per expert tile): "
-                  + ", ".join(f"{nt}: {ms * 1e3:.1f}" for nt, ms in r["mma_nt_ms"].items()) + " us")
+    for key, label in (("mma_wgmma_ms", "mma, warpgroup-MMA variant"), ("mma_cps_ms", "mma by split-K slice (chunks)"),
+                       ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
+                       ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile")):
+        for r in by("moe"):
+            if key in r:
+                print(f"  {r['tokens']:6d} tokens, {label}: "
+                      + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items()) + " us")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")
