@@ -20,9 +20,11 @@ BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode, sid
 default and BF16. --dynamo adds nvfp4_sampler with dynamo's graphs run by the eager backend
 (`compilation_config.backend = "eager"`: no inductor code, CUDA graphs kept; the compiled-mode
 configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost against the default mode.
+--wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
+(NVFP4_SAMPLER_MMA=wgmma in that engine's processes): the kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -70,6 +72,7 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
+WGMMA = "nvfp4_wgmma"            # nvfp4_sampler on cuda_mma's warpgroup-MMA variant (--wgmma)
 
 
 def _category(name: str) -> str:
@@ -87,8 +90,8 @@ def profiler_config(trace_dir: str | Path) -> dict:
 
 
 def worker(model: str, quant: str, mode: str, out: str) -> None:
-    """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, or DYNAMO:
-    nvfp4_sampler with `compilation_config.backend = "eager"`): decode
+    """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, DYNAMO:
+    nvfp4_sampler with `compilation_config.backend = "eager"`, or WGMMA: on the wgmma kernel): decode
     tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
     category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -98,6 +101,9 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         quant = "nvfp4_sampler"
         engine_mode = {**engine_mode, "compilation_config": {**engine_mode.get("compilation_config", {}),
                                                              "backend": "eager"}}
+    if quant == WGMMA:
+        os.environ["NVFP4_SAMPLER_MMA"] = "wgmma"          # read by kernels.cuda_mma at import (engine core too)
+        quant = "nvfp4_sampler"
     if quant == STRICT:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
         from nvfp4_sampler.sampler_format import SamplerConfig
@@ -196,6 +202,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
     ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (one more engine)")
     ap.add_argument("--dynamo", action="store_true", help="also nvfp4_sampler on dynamo's eager backend (one more engine)")
+    ap.add_argument("--wgmma", action="store_true", help="also nvfp4_sampler on the wgmma decode kernel (one more engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -207,7 +214,8 @@ def main() -> None:
 
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
-    quants = ("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
+    quants = (("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
+              + ((WGMMA,) if args.wgmma else ()))
     if args.dynamo and args.mode != "compiled":
         ap.error("--dynamo compares against the compiled mode: --mode compiled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
@@ -229,7 +237,8 @@ def main() -> None:
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
           f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
     ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1]),
-                                  (DYNAMO, quants[0]), (DYNAMO, quants[1])) if a in quants]
+                                  (DYNAMO, quants[0]), (DYNAMO, quants[1]), (WGMMA, quants[0]), (WGMMA, quants[1]))
+              if a in quants]
     print("| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
           + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"
           + "---|" * (3 + len(quants) + len(ratios)))

@@ -34,6 +34,7 @@ step() {   # step NAME: its timeout (s) and command
     kernels)   limit=260; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
+    mma_wgmma) limit=150; cmd="env NVFP4_SAMPLER_MMA=wgmma python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
@@ -47,6 +48,8 @@ step() {   # step NAME: its timeout (s) and command
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
     updates)   limit=240; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
     strict)    limit=300; cmd="python3 -m pytest -q -s -rA -m gpu tests/test_gpu_vllm_strict.py" ;;
+    strict_wgmma) limit=300; cmd="env NVFP4_SAMPLER_MMA=wgmma python3 -m pytest -q -s -rA -m gpu
+                              tests/test_gpu_vllm_strict.py" ;;
     sync)      limit=120; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_sync.py" ;;
     numerics)  limit=150; cmd="python3 bench/engine_numerics.py all --out /tmp/engine --seqs 4 --len 128" ;;
     bench_moe) limit=420; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only moe --json $OUT/bench_moe.json" ;;
@@ -56,6 +59,8 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_moe) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4
                               --out $OUT/bench_vllm_e2e_moe.json" ;;
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
+    bench_e2e_wgmma) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
+                              --out $OUT/bench_vllm_e2e_wgmma.json" ;;
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict_moe) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4 --strict

@@ -51,6 +51,13 @@ _SMEM_LIMIT = 227 * 1024 - 64   # dynamic shared memory a CTA may take on sm_90 
 _TILED_BITS = ((13, 0), (14, 3), (12, 6), (15, 9))
 _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
 _MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
+# The MMA every launch uses unless told: "mma" (mma.sync) or "wgmma" (the warpgroup-MMA variant, sm_90a), read
+# once at import from NVFP4_SAMPLER_MMA, so that a benchmark can run whole engines on either (`prepare`
+# compiles that one); not a user setting: the default follows the H200 measurements
+_MMA = os.environ.get("NVFP4_SAMPLER_MMA", "mma")
+if _MMA not in ("mma", "wgmma"):
+    raise ValueError(f"NVFP4_SAMPLER_MMA must be 'mma' or 'wgmma', got {_MMA!r}")
+WGMMA = _MMA == "wgmma"
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -80,8 +87,8 @@ def prepare(device: torch.device) -> tuple[bool, str]:
         for nt, rw in VARIANTS:
             for out_dtype in (torch.bfloat16, torch.float16):
                 for tiled in (False, True):
-                    _kernel(nt, rw, out_dtype, tiled, STAGES, index)
-        _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index)
+                    _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA)
+        _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index, WGMMA)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -280,7 +287,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
-           rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool = False) -> torch.Tensor:
+           rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -294,7 +301,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cps   override of `config`'s chunks per split (benchmarks); rw, nt: of `tiles`' warps and token
           tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
     wgmma the warpgroup-MMA variant (sm_90a; rw % 4 == 0): one wgmma per k16 step and 4 warps instead of
-          2 * nt mma.sync per warp (a candidate, forced only until measured)
+          nt mma.sync per warp; None: `WGMMA` (NVFP4_SAMPLER_MMA, default off until measured)
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -327,6 +334,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         return out
     cfg = config(n, k, cps=cps)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
+    wgmma = WGMMA if wgmma is None else wgmma
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))

@@ -278,3 +278,18 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS + 1, x, w13, w2) == "grouped"
     with pytest.raises(ValueError, match="mma MoE"):
         triton_moe.moe(x, w13, w2, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int64), path="mma")
+
+
+def test_the_mma_switch_is_read_once_and_checked():
+    """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"); anything else
+    stops the import with the variable's name."""
+    import os
+    import sys
+    code = "from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.WGMMA)"
+    for value, want in (("mma", "False"), ("wgmma", "True")):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, NVFP4_SAMPLER_MMA=value))
+        assert res.stdout.strip() == want, res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, NVFP4_SAMPLER_MMA="hgmma"))
+    assert res.returncode != 0 and "NVFP4_SAMPLER_MMA must be 'mma' or 'wgmma'" in res.stderr

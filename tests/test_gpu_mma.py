@@ -93,7 +93,7 @@ def test_warps_tokens_per_cta_and_stages_do_not_change_the_result(mods, m, tiled
     for rw, stages, nt in [(1, 2, None), (4, 3, 1), (8, 3, 2), (16, 2, 4), (1, 8, 8), (4, 4, 8), (8, 6, None),
                            (16, 8, 8), (8, 3, 8)]:
         outs.append(torch.full((m, 640), float("nan"), device="cuda", dtype=torch.bfloat16))
-        cuda_mma.launch(a.values, a.global_scale, wk, outs[-1], rw=rw, stages=stages, nt=nt)
+        cuda_mma.launch(a.values, a.global_scale, wk, outs[-1], rw=rw, stages=stages, nt=nt, wgmma=False)
     _check(outs[0], x, w, None)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
