@@ -167,8 +167,8 @@ def push_ipc(client: SamplerClient, state, layout: str) -> dict[str, float]:
         if bucket is None:
             break
         st = client.send_ipc(st.update_id, bucket)
-    if st.missing:
-        raise RuntimeError(f"{len(st.missing)} tensors missing after the IPC buckets")
+    if st.missing_count:
+        raise RuntimeError(f"{st.missing_count} tensors missing after the IPC buckets")
     t2 = time.perf_counter()
     res = client.commit(st.update_id)
     t3 = time.perf_counter()
@@ -250,8 +250,8 @@ def push_planned(client: SamplerClient, state, *, bucket_bytes: int, device: str
         t1 = time.perf_counter()
         st = sender.push(client, st.update_id, held["send"], times=times)
         t2 = time.perf_counter()
-        if st.missing:
-            raise RuntimeError(f"{len(st.missing)} tensors missing after the planned buckets")
+        if st.missing_count:
+            raise RuntimeError(f"{st.missing_count} tensors missing after the planned buckets")
         res = client.commit(st.update_id)
         t3 = time.perf_counter()
     sidecar_s = {k: v - sidecar_s[k] for k, v in sidecar_bucket_seconds(client).items()}

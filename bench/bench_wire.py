@@ -74,7 +74,7 @@ def _push(client: SamplerClient, entries, tensors, *, server_pid: int) -> tuple[
     st = client.send(st.update_id, (b for e in entries for b in encode_frame(e, tensors)))
     t1 = time.perf_counter()
     server_cpu, client_cpu = _cpu_seconds(server_pid) - s0, time.process_time() - c0
-    assert not st.missing, st.missing[:3]
+    assert not st.missing_count, st.missing[:3]
     client.commit(st.update_id)
     return t1 - t0, time.perf_counter() - t1, server_cpu, client_cpu
 

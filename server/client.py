@@ -198,7 +198,7 @@ class SamplerClient:
         try:
             t1 = time.perf_counter()
             for attempt in range(self.retries + 1):
-                if not st.missing:
+                if not st.missing_count:
                     break
                 pipeline = push_pipeline.Pipeline(plan, only=set(st.missing))
                 try:
@@ -214,8 +214,8 @@ class SamplerClient:
                     bar.n = st.bytes_received
                 finally:
                     prepare += pipeline.prepare_seconds
-            if st.missing:
-                raise SidecarError(409, f"{len(st.missing)} tensor(s) still missing after {self.retries} retries")
+            if st.missing_count:
+                raise SidecarError(409, f"{st.missing_count} tensor(s) still missing after {self.retries} retries")
             t2 = time.perf_counter()
             commit = self.commit(st.update_id)
             t3 = time.perf_counter()

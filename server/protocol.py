@@ -73,13 +73,17 @@ class BeginRequest(BaseModel):
 
 
 class UpdateStatus(BaseModel):
-    """data_port: the sidecar's data-plane port on the same host (PUT the body there to have the
-    socket write payloads straight into the staging area; docs/PROTOCOL.md), None if disabled."""
+    """missing: the manifest's names not staged yet, or None where the answer does not list them (a
+    planned update's begin and bucket answers, whose sender holds the plan: `GET` the update to list
+    them); missing_count: how many, always. data_port: the sidecar's data-plane port on the same host
+    (PUT the body there to have the socket write payloads straight into the staging area;
+    docs/PROTOCOL.md), None if disabled."""
 
     update_id: str
     target_version: int
     state: Literal["open", "committed", "aborted"]
-    missing: list[str]
+    missing: list[str] | None
+    missing_count: int
     received: int
     bytes_received: int
     data_port: int | None = None

@@ -101,10 +101,13 @@ class Update:
             flat = self.opened[key] = ipc.open_buffer(h)
         return flat
 
-    def status(self, *, data_port: int | None = None) -> UpdateStatus:
+    def status(self, *, data_port: int | None = None, listed: bool = True) -> UpdateStatus:
+        """listed False: the missing names are counted, not listed (a planned update's begin and bucket
+        answers: O(1) per bucket instead of every name of the model)."""
         return UpdateStatus(update_id=self.id, target_version=self.target_version, state=self.state,
-                            missing=[n for n in self.manifest if n not in self.staged],
-                            received=len(self.staged), bytes_received=self.bytes_received, data_port=data_port,
+                            missing=[n for n in self.manifest if n not in self.staged] if listed else None,
+                            missing_count=len(self.manifest) - len(self.staged), received=len(self.staged),
+                            bytes_received=self.bytes_received, data_port=data_port,
                             plan_id=self.plan.plan_id if self.plan is not None else None)
 
     def slot(self, entry: TensorEntry, nbytes: int) -> torch.Tensor:
@@ -190,8 +193,8 @@ class UpdateManager:
         self.plans: dict[str, TransferPlan] = {}             # plans built this run, by plan_id (newest last)
         self._commit_lock = asyncio.Lock()
 
-    def status(self, u: Update) -> UpdateStatus:
-        return u.status(data_port=self.data_port)
+    def status(self, u: Update, *, listed: bool = True) -> UpdateStatus:
+        return u.status(data_port=self.data_port, listed=listed)
 
     def begin(self, req: BeginRequest) -> UpdateStatus:
         cur = self.current
@@ -247,7 +250,7 @@ class UpdateManager:
             if plan is None else {}
         self.current = Update(uuid.uuid4().hex, req.target_version, {e.name: e for e in manifest}, slots, buffer,
                               plan=plan, bucket_offsets=bucket_offsets + [total] if plan is not None else [])
-        return self.status(self.current)
+        return self.status(self.current, listed=plan is None)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A staging buffer of at least nbytes: the spare one if it is large enough, else the engine's."""
@@ -314,7 +317,7 @@ class UpdateManager:
             self._stage_planned(u, bucket.bucket, flat)
             steps["copy"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            status = self.status(u)
+            status = self.status(u, listed=False)
             steps["status"] = time.perf_counter() - t0
             return status
         staged = []

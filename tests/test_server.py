@@ -480,14 +480,18 @@ def test_planned_buckets_update_equals_fresh_engine(client, models, reference_lo
     steps = {s: _bucket_count(client, s) for s in ("queue", "open", "copy", "status")}
     for i in range(len(plan.buckets)):
         st = client.send_bucket(st.update_id, i, plan.pack(i, b, flat))
-    assert st.missing == [] and st.received == len(entries)
+        left = sum(len(plan.entries[e].members) for j in range(i + 1, len(plan.buckets)) for e in plan.buckets[j].entries)
+        assert st.missing is None and st.missing_count == left     # counted, not listed: O(1) a bucket
+    assert st.missing_count == 0 and st.received == len(entries)
+    assert client.status(st.update_id).missing == []                    # GET lists them
     assert _bucket_count(client) == handled + len(plan.buckets)          # /metrics times every bucket
     for s, n in steps.items():                                           # and each of its steps
         assert _bucket_count(client, s) == n + len(plan.buckets), s
     assert client.commit(st.update_id).weight_version == v + 1
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
     st = client.begin(v + 2, plan_id=plan.plan_id)                       # the plan is reused: only its id travels
-    assert st.plan_id == plan.plan_id and len(st.missing) == len(entries)
+    assert st.plan_id == plan.plan_id and st.missing is None and st.missing_count == len(entries)
+    assert client.status(st.update_id).missing == [e.name for e in entries]
     client.abort(st.update_id)
     assert lp(client) == (v + 1, reference_logprobs["b_nvfp4"])
 
