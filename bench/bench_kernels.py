@@ -90,6 +90,16 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
+def tried_ms(fn) -> float:
+    """graph_ms of a candidate configuration, or NaN where it cannot run (a compile or launch refused:
+    shared memory, registers), so that one candidate does not end its section; the reason is printed."""
+    try:
+        return graph_ms(fn)
+    except Exception as err:  # noqa: BLE001 - any failure of a candidate is a result, not an end
+        print(f"candidate failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+        return math.nan
+
+
 def eager_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
@@ -203,8 +213,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             row = dict(shape=name, m=m, n=n, k=k, cublas_ms=cublas)
             mma = m <= MMA_BENCH_MAX_M and cuda_mma.shape_ok(n, k)
             for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M)
-                         + ("packed",) * (m <= 1024) + ("bf16",) + ("exact",) * (m >= 256)):
+                         + ("packed",) * (m <= 1024) + ("bf16",)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if m >= 256:                                  # the exact path (forced: a candidate)
+                row["exact_ms"] = tried_ms(lambda: [triton_gemm.linear(x, w, path="exact") for w in w_q]) / len(w_q)
             if m >= 256:                                  # the exact path with the codes decoded in the GEMM (no
                 codes = dict(triton_gemm.EXACT_DENSE, W_CODES=True)              # FP16 copy of the weight)
 
@@ -212,12 +224,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                     triton_gemm.launch_exact(a, w, out, config=codes)
-                row["exact_codes_ms"] = graph_ms(lambda: [exact_codes(w) for w in w_q]) / len(w_q)
+                row["exact_codes_ms"] = tried_ms(lambda: [exact_codes(w) for w in w_q]) / len(w_q)
             if m >= 4096:                                 # the exact GEMM alone by tiles, operands prepared beforehand
                 xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 row["exact_tiles_ms"] = {
-                    "{BLOCK_M}x{BLOCK_N} s{num_stages} w{num_warps}{}".format(" codes" * c["W_CODES"], **c): graph_ms(lambda c=c: [
+                    "{BLOCK_M}x{BLOCK_N} s{num_stages} w{num_warps}{}".format(" codes" * c["W_CODES"], **c): tried_ms(lambda c=c: [
                         triton_gemm.launch_exact(xq, w, out, config=dict(triton_gemm.EXACT_DENSE, **c))
                         for w in w_q]) / len(w_q) for c in EXACT_SWEEP}
             if mma:                                       # the mma kernel alone, activation quantized beforehand
@@ -231,7 +243,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
                 tuned = cuda_mma.throughput_options(m, n, k)   # the warpgroup-MMA variant, tiles as the default's
-                row["wgmma_tiled_kernel_ms"] = graph_ms(
+                row["wgmma_tiled_kernel_ms"] = tried_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, wgmma=True, **tuned) for w in w_t]) / len(w_t)
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
@@ -261,7 +273,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 if m in (16, 32, 64):                     # the Triton wgmma route: codes decoded in registers as
                     cfgs = [triton_gemm.exact_small_config(m, n, k, **c) for c in EXACT_SMALL_SWEEP]   # its first
                     row["exact_codes_kernel_ms"] = {                                  # operand, tokens as its N
-                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): graph_ms(
+                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): tried_ms(
                             lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_q]) / len(w_q)
                         for c in cfgs}
                 del w_t
@@ -274,7 +286,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             row["auto_path"] = triton_gemm.linear_path(m, "per_token", w_q[0])
             row["ours_ms"] = row[f"{row['auto_path']}_ms"]
             row["speedup_vs_cublas"] = cublas / row["ours_ms"]
-            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16", "exact", "exact_codes"))
+            row["best_speedup_vs_cublas"] = cublas / min(row.get(f"{p}_ms", math.inf) for p in ("mma", "gemv", "packed", "bf16"))
+            if m >= 256:                                  # the candidates, where they ran
+                row["best_exact_speedup_vs_cublas"] = cublas / min(
+                    (v for v in (row["exact_ms"], row["exact_codes_ms"]) if not math.isnan(v)), default=math.nan)
             row["weight_gbps"] = gbps(w_q[0].nbytes, row["ours_ms"])
             row["weight_frac_copy"] = row["weight_gbps"] / peak_gbps
             if m in (1, 16):
@@ -347,20 +362,20 @@ def bench_moe(log, quick: bool) -> None:
                 try:
                     row[f"{path}_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path=path)
                                                           for tw, ti in routes]) / n_routes
-                except (RuntimeError, ValueError) as err:     # e.g. the mma launch's tile limit at 8192 tokens
-                    row[f"{path}_error"] = str(err)[:300]
+                except Exception as err:  # noqa: BLE001 - e.g. the mma launch's tile limit at 8192 tokens, a
+                    row[f"{path}_error"] = str(err)[:300]      # Triton OutOfResources: the row goes on
         if t >= 16:                               # the exact GEMM decoding the codes itself (no FP16 copy), by
             row["exact_codes_ms"] = {                 # expert tile: wgmma N = 16 rows at decode sizes, 64 beyond
-                tile: graph_ms(lambda cfg=cfg: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact", config=cfg)
+                tile: tried_ms(lambda cfg=cfg: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact", config=cfg)
                                                 for tw, ti in routes]) / n_routes
                 for tile, cfg in (("16-row", EXACT_MOE_DECODE), ("64-row", dict(triton_gemm.EXACT_GROUPED, W_CODES=True)))
                 if (tile == "16-row" and t <= 1024) or (tile == "64-row" and t >= 128)}
         if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
-            row["mma_wgmma_ms"] = {"NT 1": graph_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
+            row["mma_wgmma_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
                                                              for tw, ti in routes]) / n_routes}
         if 16 <= t <= 256:                        # split-K slice: `config` gives w13 4 chunks (4 slices of ~18 KB
             row["mma_cps_ms"] = {                 # of weights per CTA at 16 tokens); fewer, longer slices
-                cps: graph_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
+                cps: tried_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
                                                for tw, ti in routes]) / n_routes for cps in MMA_CPS_SWEEP_MOE}
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
