@@ -1,0 +1,45 @@
+"""bench/bench_kernels.py's tables on records of the shapes the H200 run writes, candidates that could not
+run (NaN) included: a formatting error there would cost a device run its printed tables."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("triton")
+
+from bench import bench_kernels as bk  # noqa: E402 - after the importorskip
+
+LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, cublas_ms=0.0494, mma_ms=0.0312,
+                     gemv_ms=0.141, packed_ms=0.0753, bf16_ms=0.09, auto_path="mma", ours_ms=0.0312,
+                     speedup_vs_cublas=1.58, weight_gbps=1800.0, weight_frac_copy=0.42, mma_kernel_ms=0.0303,
+                     mma_tiled_kernel_ms=0.0301, mma_tiled_linear_ms=0.0322, wgmma_tiled_kernel_ms=0.0221,
+                     act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301},
+                     exact_codes_kernel_ms={"64x128 s4 w4 split 1": 0.025, "128x128 s3 w8 split 1": math.nan})
+LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, cublas_ms=1.2, bf16_ms=1.45,
+                   exact_ms=1.3, exact_codes_ms=math.nan, auto_path="bf16", ours_ms=1.45, speedup_vs_cublas=0.83,
+                   weight_gbps=39.0, weight_frac_copy=0.01, best_exact_speedup_vs_cublas=0.92,
+                   exact_tiles_ms={"128x256 s3 w8": 1.21, "256x128 s3 w8 codes": math.nan})
+MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, grouped_ms=0.4601, mma_ms=0.3077,
+           exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, mma_wgmma_ms={"NT 1": 0.21},
+           mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4})
+
+
+def test_tables_print_every_column_and_candidate():
+    lines: list[str] = []
+    bk.print_tables([LINEAR_DECODE, LINEAR_WIDE, MOE], "test device", print=lambda *a: lines.append(" ".join(map(str, a))))
+    text = "\n".join(lines)
+    assert "wgmma variant alone 22.1 us vs mma.sync 30.1" in text
+    assert "64x128 s4 w4 split 1: 25.0, 128x128 s3 w8 split 1: nan us" in text
+    assert "128x256 s3 w8: 1210.0, 256x128 s3 w8 codes: nan us" in text
+    wide = next(x for x in lines if x.strip().startswith("8B gate_up") and " 4096 " in x)
+    assert "1450.0   1300.0    nan" in wide                        # bf16, exact, codes columns
+    assert "64 tokens, mma, warpgroup-MMA variant: NT 1: 210.0 us" in text
+    assert "64 tokens, mma by split-K slice (chunks): 4: 307.7, 8: 290.0, 16: nan us" in text
+    assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
+
+
+def test_a_failing_candidate_is_nan_not_an_error(capsys):
+    """(Here it fails before the candidate runs: no CUDA stream on the CPU; on the GPU in the candidate.)"""
+    assert math.isnan(bk.tried_ms(lambda: 1 / 0))
+    assert "candidate failed:" in capsys.readouterr().out
