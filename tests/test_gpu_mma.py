@@ -126,7 +126,9 @@ def test_wgmma_variant_matches_reference_and_is_batch_invariant(mods, m, n, k):
 
 
 def test_wgmma_variant_grouped(mods):
-    """The grouped (MoE) launch of the wgmma variant: fp32 out within 1e-2 of the mma.sync variant's."""
+    """The grouped (MoE) launch of the wgmma variant: its fp32 rows within FP32 reordering noise of the mma.sync
+    variant's (relative norm < 1e-5; the products are exact, only the summation order may differ), and
+    deterministic."""
     cuda_mma, _, tq = mods
     from nvfp4_sampler.kernels import triton_moe
     experts, n, k, tokens, top_k = 8, 256, 1024, 40, 2
@@ -137,11 +139,12 @@ def test_wgmma_variant_grouped(mods):
     order, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
     a = tq.quantize_per_token_exact(x, dtype=torch.float16)
     outs = []
-    for wgmma in (False, True):
+    for wgmma in (False, True, True):
         outs.append(torch.full((tokens * top_k, n), float("nan"), device="cuda"))
         cuda_mma.launch(a.values, a.global_scale, w, outs[-1], schedule=schedule, nt=cuda_mma.GROUPED_NT,
                         rw=4, wgmma=wgmma)
-    assert torch.allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
+    assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-5
+    assert torch.equal(outs[1], outs[2])
 
 
 def test_mma_fp16_output(mods):
