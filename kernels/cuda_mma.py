@@ -365,7 +365,7 @@ def dequantize(w: NVFP4Tensor) -> torch.Tensor:
     out = torch.empty((n, k), dtype=torch.bfloat16, device=w.codes.device)
     dev = w.codes.device.index if w.codes.device.index is not None else torch.cuda.current_device()
     units = n * k // 32
-    kernel = _kernel(*TILES[0][1:], torch.bfloat16, True, STAGES, dev)["w4_dequant"]
+    kernel = _kernel(*TILES[0][1:], torch.bfloat16, True, STAGES, dev, WGMMA)["w4_dequant"]   # loaded by `prepare`
     _launch(kernel, (-(-units // 256), 1, 1), 256, 0, w.codes.device,
             [_ptr(w.codes), _ptr(w.block_scales), _ptr(out), ctypes.c_int(n), ctypes.c_int(k)], pdl=False)
     return out
