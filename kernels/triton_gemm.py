@@ -497,22 +497,18 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     if w.layout == "mma_tiled" and (path not in ("mma", "bf16", "exact") or scaling != "per_token"):
         raise ValueError(f"a mma_tiled weight takes the mma, bf16 or exact path with per-token scaling, got {path!r}, "
                          f"{scaling!r}")
-    if path == "mma":
-        if scaling != "per_token":
-            raise ValueError("the mma path implements per-token scaling only")
+    if path in ("mma", "bf16", "exact") and scaling != "per_token":
+        raise ValueError(f"the {path} path implements per-token scaling only")
+    if path in ("mma", "exact"):                       # exact FP16 rows, then the tensor-core kernel
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape)
-        cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
-    elif path in ("bf16", "exact"):
-        if scaling != "per_token":
-            raise ValueError(f"the {path} path implements per-token scaling only")
-        if path == "bf16":
-            out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
+        if path == "mma":
+            tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape)
+            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
         else:
-            a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
-            out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
             launch_exact(a, w, out, bias=bias)
+    elif path == "bf16":
+        out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
     elif path == "gemv":
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         triton_gemv.launch_w4a4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, out, bias=bias,

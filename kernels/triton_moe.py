@@ -235,8 +235,8 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
         config = config or triton_gemm.EXACT_GROUPED
         tile_rows = config["BLOCK_M"]
 
-        def launch(a, w, out, schedule):
-            triton_gemm.launch_exact(a, w, out, schedule=schedule, config=config)
+        def launch(a, w, out, schedule, swiglu=False):
+            triton_gemm.launch_exact(a, w, out, schedule=schedule, swiglu=swiglu, config=config)
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
     a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
     if gemm == "mma":
@@ -245,7 +245,7 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
         b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
     else:                                       # SwiGLU in the GEMM's epilogue: no fp32 [P, 2I] round trip
         act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-        triton_gemm.launch_exact(a, w13, act, schedule=schedule, swiglu=True, config=config)
+        launch(a, w13, act, schedule, swiglu=True)
         b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     launch(b, w2, y, schedule)
