@@ -236,9 +236,8 @@ def main() -> None:
     asyncs = sorted({str(e[q].get("async_scheduling")) for e in results["models"].values() for q in quants})
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
           f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    ratios = [(a, b) for a, b in ((quants[1], quants[0]), (STRICT, quants[0]), (STRICT, quants[1]),
-                                  (DYNAMO, quants[0]), (DYNAMO, quants[1]), (WGMMA, quants[0]), (WGMMA, quants[1]))
-              if a in quants]
+    # nvfp4 vs BF16, then each further engine (strict, dynamo, wgmma) vs both
+    ratios = [(quants[1], quants[0])] + [(v, base) for v in quants[2:] for base in quants[:2]]
     print("| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
           + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"
           + "---|" * (3 + len(quants) + len(ratios)))
