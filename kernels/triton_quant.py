@@ -66,7 +66,7 @@ def _e4m3_rne(x):
     round to multiples of 2^-9."""
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
-    sub = ((x * 512.0 + 12582912.0) - 12582912.0).to(tl.int32)
+    sub = (x * 512.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000     # rint(x * 2^9)
     return tl.where(x < 0.015625, sub, normal).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
@@ -94,19 +94,36 @@ def _row_amax_floor(amax, TE: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_rne(v):
+    """fp32 v (any shape) -> (code int32: the E2M1 code of v, round to nearest even, saturated at 6,
+    sign in bit 3; q fp32: its value e2m1(code), signed), as `reference.e2m1_encode` / `e2m1_decode`.
+
+    Without comparisons or a float-to-int conversion: with a = min(|v|, 6), the grid's step is
+    2^(e - 1) on [2^e, 2^(e + 1)), e = max(floor(log2 a), 0), so with m = 2^(1 - e) (built from a's
+    exponent bits) rint(a * m) comes from adding 1.5 * 2^23 (exact: m is a power of two); the code is
+    rint(a * m) + 2e, the value rint(a * m) / m. Checked on every fp32 from 2^-4 to 6 and a sample
+    below and above (tests/test_triton_interpret.py `check_e2m1_rounding`).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(v), 6.0)
+    # m's bits: the complement of the exponent field of max(a, 1) (biased 127 + e -> 128 - e)
+    m = ~tl.maximum(a.to(tl.int32, bitcast=True), 0x3F800000) & 0x7F800000
+    f = a * m.to(tl.float32, bitcast=True) + 12582912.0                  # 1.5 * 2^23 + rint(a * m)
+    # m >> 22 = 2 (128 - e); 1 / m has 254 - (128 - e) in its exponent field
+    code = (f.to(tl.int32, bitcast=True) - (m >> 22) + (256 - 0x4B400000)) | ((bits >> 28) & 8)
+    q = (f - 12582912.0) * (0x7F000000 - m).to(tl.float32, bitcast=True)
+    return code, (q.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
     """The spec's block quantizer on one tile.
 
     x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
-    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], codes int32
-    [R, NB, 16] unpacked). TE: TransformerEngine's block-scale and element-scale formulas, PER_ROW
-    selecting its row-scaled (per-token) element scale (`reference.block_scales`).
-
-    E2M1 round-to-nearest-even of a = min(|v|, 6) without seven comparisons: the grid has step 0.5
-    below 2, 1 below 4 and 2 up to 6, so code = rint(a * step^-1) + offset with rint done by adding
-    and subtracting 1.5 * 2^23 (exact: the products are by powers of two). This agrees with the
-    spec's thresholds at every tie (0.25 -> 0, 0.75 -> 2, 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6,
-    5 -> 6).
+    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], values fp32
+    [R, NB, 16] = e2m1(q) * float(s), signed and exact: the block dequantized without S_dec). TE:
+    TransformerEngine's block-scale and element-scale formulas, PER_ROW selecting its row-scaled
+    (per-token) element scale (`reference.block_scales`).
     """
     if TE:
         scale = _e4m3_rne(tl.minimum(bamax * (s_enc[:, None] * 0.1666666716337204), 448.0))
@@ -120,28 +137,11 @@ def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.conste
         inv = tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), _FLT_MAX)
         if not TE:                                                   # 1/0 := 0 (TE: FLT_MAX)
             inv = tl.where(dec == 0.0, 0.0, inv)
-    v = x * inv[:, :, None]
-    a = tl.minimum(tl.abs(v), 6.0)
-    lt2 = a < 2.0
-    lt4 = a < 4.0
-    step_inv = tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
-    offset = tl.where(lt2, 0.0, tl.where(lt4, 2.0, 4.0))
-    r = (a * step_inv + 12582912.0) - 12582912.0
-    code = (r + offset).to(tl.int32) | ((v.to(tl.int32, bitcast=True) >> 31) & 8)
+    code, q = _e2m1_rne(x * inv[:, :, None])
     R: tl.constexpr = x.shape[0]
     NB: tl.constexpr = x.shape[1]
     lo, hi = tl.split(tl.reshape(code, (R, NB * 8, 2)))
-    return (lo | (hi << 4)).to(tl.uint8), scale, code
-
-
-@triton.jit
-def _e2m1_value(code):
-    """Unpacked codes uint8 -> fp32 E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 with sign bit 3)."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * (1 << e).to(tl.float32) * 0.25)
-    return tl.where((c & 8) != 0, -mag, mag)
+    return (lo | (hi << 4)).to(tl.uint8), scale, q * s[:, :, None]
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
         gs_mask = rmask
         gs_off = rows
     tl.store(gs_ptr + gs_off, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc), mask=gs_mask)
-    packed, scale, code = _quantize_tile(x, bamax, s_enc, TE, AMAX_MODE != 1)
+    packed, scale, value = _quantize_tile(x, bamax, s_enc, TE, AMAX_MODE != 1)
     n_blocks = K // 16
     if WRITE_CODES:
         bytes_ = tl.arange(0, NB_PAD * 8)
@@ -205,8 +205,7 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
         sc_off = _scale_offsets(rows64[:, None], blocks[None, :], n_blocks, SWIZZLE)
         tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & (blocks[None, :] < n_blocks))
     if WRITE_DEQ:
-        deq = _e2m1_value(code) * scale.to(tl.float32)[:, :, None]
-        tl.store(deq_ptr + rows64[:, None, None] * K + cols, deq.to(deq_ptr.dtype.element_ty), mask=mask)
+        tl.store(deq_ptr + rows64[:, None, None] * K + cols, value.to(deq_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -258,7 +257,7 @@ def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_p
     s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax + rows * 0), TE)
     tl.store(gs_ptr + e * stride_amax + rows * 0, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc),
              mask=(rows + kt) == 0)
-    packed, scale, code = _quantize_tile(x, bamax, s_enc, TE, False)
+    packed, scale, _ = _quantize_tile(x, bamax, s_enc, TE, False)
     bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
              mask=rmask[:, None] & (bytes_[None, :] < K // 2))

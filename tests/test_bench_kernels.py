@@ -20,6 +20,9 @@ LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, c
                    exact_ms=1.3, exact_codes_ms=math.nan, auto_path="bf16", ours_ms=1.45, speedup_vs_cublas=0.83,
                    weight_gbps=39.0, weight_frac_copy=0.01, best_exact_speedup_vs_cublas=0.92,
                    exact_tiles_ms={"128x256 s3 w8": 1.21, "256x128 s3 w8 codes": math.nan})
+ACT = dict(kind="act_quant", m=16384, k=4096, bytes=1, ours_ms=0.0713, tuned_ms=0.07, copy_same_bytes_ms=0.04,
+           ref_ms=None, gbps=2413.0, frac_peak_copy=0.569, tuned_frac_peak_copy=0.57, frac_same_size_copy=0.587,
+           exact_ms=0.06, exact_frac_peak_copy=0.88)
 MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, grouped_ms=0.4601, mma_ms=0.3077,
            exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, mma_wgmma_ms={"NT 1": 0.21},
            mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4})
@@ -27,8 +30,9 @@ MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, g
 
 def test_tables_print_every_column_and_candidate():
     lines: list[str] = []
-    bk.print_tables([LINEAR_DECODE, LINEAR_WIDE, MOE], "test device", print=lambda *a: lines.append(" ".join(map(str, a))))
+    bk.print_tables([ACT, LINEAR_DECODE, LINEAR_WIDE, MOE], "test device", print=lambda *a: lines.append(" ".join(map(str, a))))
     text = "\n".join(lines)
+    assert " 16384   4096     71.30   2413      56.9   57.0          58.7        -     60.00      88.0" in text
     assert "wgmma variant alone 22.1 us vs mma.sync 30.1" in text
     assert "64x128 s4 w4 split 1: 25.0, 128x128 s3 w8 split 1: nan us" in text
     assert "128x256 s3 w8: 1210.0, 256x128 s3 w8 codes: nan us" in text

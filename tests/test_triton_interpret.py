@@ -16,7 +16,10 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from nvfp4_sampler.kernels import triton_quant  # noqa: E402
 
 
 def _bound(a, w, want, bias):
@@ -57,6 +60,38 @@ def _order_sensitive() -> list[torch.Tensor]:
     underflow = torch.zeros(2, 32)
     underflow[:, 0], underflow[:, 16:] = 1000.0, 1e-6
     return [tie, underflow, heavy_tailed(32, 256, torch.bfloat16, 0)]
+
+
+@triton.jit
+def _e2m1_kernel(v_ptr, code_ptr, q_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    code, q = triton_quant._e2m1_rne(tl.load(v_ptr + offs))
+    tl.store(code_ptr + offs, code)
+    tl.store(q_ptr + offs, q)
+
+
+def check_e2m1_rounding() -> None:
+    """`triton_quant._e2m1_rne` against the spec's thresholds and table (`reference.e2m1_encode`,
+    `e2m1_decode`) on every fp32 from 2^-4 to 6, both signs, and on every 4099th one below 2^-4 and
+    above 6 (saturation), with the E2M1 ties and 0, -0 among them."""
+    import numpy as np
+
+    from nvfp4_sampler.kernels import reference
+    lo, six = (int(np.float32(v).view(np.int32)) for v in (2.0 ** -4, 6.0))
+    chunks = [np.arange(start, min(start + (1 << 23), six + 1), dtype=np.int32) for start in range(lo, six + 1, 1 << 23)]
+    chunks.append(np.concatenate([np.arange(0, lo, 4099, dtype=np.int32),
+                                  np.arange(six, 0x7F7FFFFF, 4099, dtype=np.int32)]))
+    block = 1 << 16
+    for bits in chunks:
+        v = torch.from_numpy(bits.view(np.float32).copy())
+        v = torch.cat([v, -v])
+        v = torch.nn.functional.pad(v, (0, -v.numel() % block))
+        code, q = torch.empty(v.shape, dtype=torch.int32), torch.empty_like(v)
+        _e2m1_kernel[(v.numel() // block,)](v, code, q, BLOCK=block)
+        want = reference.e2m1_encode(v)
+        bad = (code != want.int()).nonzero()
+        assert not bad.numel(), f"code of {v[bad[:4, 0]].tolist()}: {code[bad[:4, 0]].tolist()} != {want[bad[:4, 0]].tolist()}"
+        assert torch.equal(q.view(torch.int32), reference.e2m1_decode(want).view(torch.int32)), "values"
 
 
 def check_quantizers(op_order: str) -> None:
@@ -328,6 +363,7 @@ def test_decode_kernels_under_the_interpreter():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
+    check_e2m1_rounding()
     for order in ("vllm", "te"):
         check_quantizers(order)
         check_gemv(order)

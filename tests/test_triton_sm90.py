@@ -12,8 +12,9 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], **options) -> tuple[str, str]:
-    """(PTX, ptxas -v output) of fn for sm_90a."""
+def _compile(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], *, sass: bool = False,
+             **options) -> tuple[str, str]:
+    """(PTX, ptxas -v output) of fn for sm_90a; sass: (PTX, the cubin's SASS)."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
@@ -21,18 +22,69 @@ def _compile(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], 
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    return ptx, _ptxas(ptx, get_ptxas(90).path)
+    return ptx, _ptxas(ptx, get_ptxas(90).path, sass=sass)
 
 
-def _ptxas(ptx: str, ptxas: str) -> str:
+def _ptxas(ptx: str, ptxas: str, *, sass: bool = False) -> str:
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.ptx", "w") as f:
             f.write(ptx)
         res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], capture_output=True,
                              text=True)
-    assert res.returncode == 0, res.stderr
+        assert res.returncode == 0, res.stderr
+        if sass:
+            return subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f"{d}/k.cubin"], capture_output=True,
+                                  text=True, check=True).stdout
     return res.stderr
+
+
+def _body_ops(sass: str) -> list[str]:
+    """The opcodes of a kernel's SASS up to the first subroutine (the IEEE division's slow path, which
+    Triton appends after the body and the body calls only for denormal or huge operands)."""
+    lines = re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    calls = [int(t, 16) for t in re.findall(r"CALL\.REL\.NOINC\s+0x([0-9a-f]+)", sass)]
+    return [op for addr, op in lines if int(addr, 16) < min(calls, default=1 << 62)]
+
+
+# SASS instructions a thread issues per element (bf16 rows of K = 4096, the launch's 4 warps), measured
+# here with Triton 3.6 and 3.9: per-token codes 22.0 / 21.8, exact rows 20.8 / 20.7, weights 26.6 / 29.1
+# (before the E2M1 and E4M3 roundings without comparisons and float-to-int conversions: 27.5, 36.9,
+# 34.4 with Triton 3.9). An H200 issues 132 SMs x 4 x 32 lanes' instructions a clock: at copy bandwidth
+# (4.2 TB/s) that is ~20 an element for the codes (2.56 bytes moved an element), ~31 for exact rows (4),
+# so the quantizers were issue-bound before memory-bound (the last H200 measurement: 50-57% of copy)
+_OPS_PER_ELEMENT = {"codes": 22.5, "exact": 21.5, "weight": 30.0}
+
+
+@pytest.mark.parametrize("kind", ["codes", "exact", "weight"])
+def test_quantizers_issue_few_instructions_per_element(kind):
+    from nvfp4_sampler.kernels import triton_quant
+    if kind == "weight":
+        consts = dict(BLOCK_KB=triton_quant.WEIGHT_CONFIG["block_kb"], TWO_D=False, SWIZZLE=False, PERSIST_STAGES=0,
+                      TE=False)
+        sig = {"w_ptr": "*bf16", "amax_ptr": "*fp32", "stride_amax": "i32", "codes_ptr": "*u8",
+               "scales_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "N": "i32", "K": "i32", "n_row_tiles": "i32",
+               "n_k_tiles": "i32", "n_tiles": "i32", **{k: "constexpr" for k in consts}}
+        fn, divisible, elements = triton_quant._weight_quant_kernel, ("w_ptr", "codes_ptr", "scales_ptr", "N", "K"), \
+            16 * 16 * consts["BLOCK_KB"]
+    else:
+        k = 4096
+        consts = dict(ROWS=triton_quant.ACT_CONFIG["elements"] // k, NB_PAD=k // 16, AMAX_MODE=0, SWIZZLE=False,
+                      WRITE_CODES=kind == "codes", WRITE_DEQ=kind == "exact", PERSIST_STAGES=0, TE=False, PDL=True,
+                      GATHER=False, SWIGLU=False, ACT_BF16=False)
+        sig = {"x_ptr": "*bf16", "stride_xm": "i32", "index_ptr": "*i32", "amax_ptr": "*fp32", "codes_ptr": "*u8",
+               "scales_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "deq_ptr": "*fp16", "M": "i32", "K": "i32",
+               "n_tiles": "i32", **{k: "constexpr" for k in consts}}
+        fn, divisible, elements = triton_quant._act_quant_kernel, ("x_ptr", "stride_xm", "codes_ptr", "scales_ptr",
+                                                                    "gs_ptr", "deq_ptr", "K"), triton_quant.ACT_CONFIG["elements"]
+    warps = triton_quant.ACT_CONFIG["num_warps"] if kind != "weight" else triton_quant.WEIGHT_CONFIG["num_warps"]
+    _, sass = _compile(fn, sig, consts, divisible, sass=True, num_warps=warps)
+    ops = _body_ops(sass)
+    per_element = len(ops) / (elements / (32 * warps))
+    # float-to-int conversions run on a quarter-rate pipe: none per element (the weight kernel's three
+    # divide its tile index by runtime sizes)
+    assert sum(op.startswith("F2I") for op in ops) <= (3 if kind == "weight" else 0), "F2I per element is back"
+    assert per_element <= _OPS_PER_ELEMENT[kind], f"{kind}: {per_element:.1f} SASS instructions per element"
 
 
 @pytest.mark.parametrize("w_codes", [False, True], ids=["fp16-weights", "codes"])
