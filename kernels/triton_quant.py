@@ -12,8 +12,10 @@ it differ only in where amax and S_enc come from and where codes and scales go:
   weights                S_enc per tensor or per expert given (from max|w|, a torch reduction that
                          reads w once), 1x16 or 16x16 block amax, tiles of 16 rows x BLOCK_K
 
-Divisions use `tl.div_rn` (IEEE round-to-nearest, as torch), E4M3 rounding is the hardware's
-round-to-nearest-even conversion; no fused multiply-adds occur on the quantization path.
+Divisions use `tl.div_rn` (IEEE round-to-nearest, as torch); the E4M3 and E2M1 roundings are
+computed on the bits (`_e4m3_rne`, `_e2m1_rne`, checked on every fp32 of their ranges under the
+interpreter), so no compiler's conversion path enters the results; a multiply-add may be fused only
+where its product is exact (the roundings' a * 2^j + 1.5 * 2^23), so fusion never changes a bit.
 `op_order="te"` (every quantizer; constexpr `TE` in the kernels) follows TransformerEngine's
 formulas instead, as `reference` does with the same keyword (its module docstring lists both).
 GPU quantization does not check for NaN/Inf in activations (that would need a host sync per call);
@@ -101,8 +103,8 @@ def _e2m1_rne(v):
     Without comparisons or a float-to-int conversion: with a = min(|v|, 6), the grid's step is
     2^(e - 1) on [2^e, 2^(e + 1)), e = max(floor(log2 a), 0), so with m = 2^(1 - e) (built from a's
     exponent bits) rint(a * m) comes from adding 1.5 * 2^23 (exact: m is a power of two); the code is
-    rint(a * m) + 2e, the value rint(a * m) / m. Checked on every fp32 from 2^-4 to 6 and a sample
-    below and above (tests/test_triton_interpret.py `check_e2m1_rounding`).
+    rint(a * m) + 2e, the value rint(a * m) / m. Checked on every fp32 from 2^-12 to 6 and samples
+    below and above (tests/test_triton_interpret.py `check_roundings`).
     """
     bits = v.to(tl.int32, bitcast=True)
     a = tl.minimum(tl.abs(v), 6.0)

@@ -63,35 +63,43 @@ def _order_sensitive() -> list[torch.Tensor]:
 
 
 @triton.jit
-def _e2m1_kernel(v_ptr, code_ptr, q_ptr, BLOCK: tl.constexpr):
+def _rounding_kernel(v_ptr, code_ptr, q_ptr, e4m3_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    code, q = triton_quant._e2m1_rne(tl.load(v_ptr + offs))
+    v = tl.load(v_ptr + offs)
+    code, q = triton_quant._e2m1_rne(v)
     tl.store(code_ptr + offs, code)
     tl.store(q_ptr + offs, q)
+    tl.store(e4m3_ptr + offs, triton_quant._e4m3_rne(tl.minimum(tl.abs(v), 448.0)).to(tl.uint8, bitcast=True))
 
 
-def check_e2m1_rounding() -> None:
-    """`triton_quant._e2m1_rne` against the spec's thresholds and table (`reference.e2m1_encode`,
-    `e2m1_decode`) on every fp32 from 2^-4 to 6, both signs, and on every 4099th one below 2^-4 and
-    above 6 (saturation), with the E2M1 ties and 0, -0 among them."""
+def check_roundings() -> None:
+    """The quantizers' two roundings against the spec: `triton_quant._e2m1_rne` against its thresholds
+    and table (`reference.e2m1_encode`, `e2m1_decode`), `_e4m3_rne` against torch's float8_e4m3fn
+    rounding; on every fp32 from 2^-12 (under half E4M3's least subnormal; E2M1 is 0 below 2^-2) to 6,
+    the negatives of those from 2^-4, every 7th from 6 to 448 (E2M1 saturated, E4M3's top binades), and
+    every 4099th below 2^-12 and above 448, 0 and -0 among them."""
     import numpy as np
 
     from nvfp4_sampler.kernels import reference
-    lo, six = (int(np.float32(v).view(np.int32)) for v in (2.0 ** -4, 6.0))
-    chunks = [np.arange(start, min(start + (1 << 23), six + 1), dtype=np.int32) for start in range(lo, six + 1, 1 << 23)]
-    chunks.append(np.concatenate([np.arange(0, lo, 4099, dtype=np.int32),
-                                  np.arange(six, 0x7F7FFFFF, 4099, dtype=np.int32)]))
+    at = {v: int(np.float32(v).view(np.int32)) for v in (2.0 ** -12, 2.0 ** -4, 6.0, 448.0)}
+    ranges = [(at[2.0 ** -12], at[2.0 ** -4], 1, False), (at[2.0 ** -4], at[6.0] + 1, 1, True),
+              (at[6.0], at[448.0] + 1, 7, False), (0, at[2.0 ** -12], 4099, True), (at[448.0], 0x7F7FFFFF, 4099, True)]
     block = 1 << 16
-    for bits in chunks:
-        v = torch.from_numpy(bits.view(np.float32).copy())
-        v = torch.cat([v, -v])
-        v = torch.nn.functional.pad(v, (0, -v.numel() % block))
-        code, q = torch.empty(v.shape, dtype=torch.int32), torch.empty_like(v)
-        _e2m1_kernel[(v.numel() // block,)](v, code, q, BLOCK=block)
-        want = reference.e2m1_encode(v)
-        bad = (code != want.int()).nonzero()
-        assert not bad.numel(), f"code of {v[bad[:4, 0]].tolist()}: {code[bad[:4, 0]].tolist()} != {want[bad[:4, 0]].tolist()}"
-        assert torch.equal(q.view(torch.int32), reference.e2m1_decode(want).view(torch.int32)), "values"
+    for lo, hi, step, both_signs in ranges:
+        for start in range(lo, hi, step << 23):
+            v = torch.from_numpy(np.arange(start, min(start + (step << 23), hi), step, dtype=np.int32).view(np.float32))
+            v = torch.cat([v, -v]) if both_signs else v
+            v = torch.nn.functional.pad(v, (0, -v.numel() % block))
+            code, q, e4m3 = (torch.empty(v.shape, dtype=torch.int32), torch.empty_like(v),
+                             torch.empty(v.shape, dtype=torch.uint8))
+            _rounding_kernel[(v.numel() // block,)](v, code, q, e4m3, BLOCK=block)
+            want = reference.e2m1_encode(v)
+            bad = (code != want.int()).nonzero()[:4, 0]
+            assert not bad.numel(), f"E2M1 code of {v[bad].tolist()}: {code[bad].tolist()} != {want[bad].tolist()}"
+            assert torch.equal(q.view(torch.int32), reference.e2m1_decode(want).view(torch.int32)), "E2M1 values"
+            want = v.abs().clamp(max=448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            bad = (e4m3 != want).nonzero()[:4, 0]
+            assert not bad.numel(), f"E4M3 of {v[bad].tolist()}: {e4m3[bad].tolist()} != {want[bad].tolist()}"
 
 
 def check_quantizers(op_order: str) -> None:
@@ -363,7 +371,7 @@ def test_decode_kernels_under_the_interpreter():
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (sets TRITON_INTERPRET=1)"
-    check_e2m1_rounding()
+    check_roundings()
     for order in ("vllm", "te"):
         check_quantizers(order)
         check_gemv(order)
