@@ -52,6 +52,7 @@ step() {   # step NAME: its timeout (s) and command
                               tests/test_gpu_vllm_strict.py" ;;
     sync)      limit=120; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_sync.py" ;;
     numerics)  limit=150; cmd="python3 bench/engine_numerics.py all --out /tmp/engine --seqs 4 --len 128" ;;
+    bench_quant) limit=200; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only act,weight --json $OUT/bench_quant.json" ;;
     bench_moe) limit=420; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only moe --json $OUT/bench_moe.json" ;;
     bench_kernels) limit=250; cmd="python3 bench/bench_kernels.py --quick --no-sweep --json $OUT/bench_kernels.json" ;;
     bench_e2e) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
