@@ -21,10 +21,11 @@ default and BF16. --dynamo adds nvfp4_sampler with dynamo's graphs run by the ea
 (`compilation_config.backend = "eager"`: no inductor code, CUDA graphs kept; the compiled-mode
 configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost against the default mode.
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
-(NVFP4_SAMPLER_MMA=wgmma in that engine's processes): the kernel choice measured end to end.
+(NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --cluster with its split-K through thread-block
+clusters (NVFP4_SAMPLER_SPLIT_K=cluster): the kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--cluster] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -72,7 +73,9 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
-WGMMA = "nvfp4_wgmma"            # nvfp4_sampler on cuda_mma's warpgroup-MMA variant (--wgmma)
+# nvfp4_sampler on a `cuda_mma` variant (--wgmma, --cluster): the environment variable its processes get
+# (read by kernels.cuda_mma at import, in the engine core too)
+KERNEL_VARIANTS = {"nvfp4_wgmma": ("NVFP4_SAMPLER_MMA", "wgmma"), "nvfp4_cluster": ("NVFP4_SAMPLER_SPLIT_K", "cluster")}
 
 
 def _category(name: str) -> str:
@@ -91,7 +94,7 @@ def profiler_config(trace_dir: str | Path) -> dict:
 
 def worker(model: str, quant: str, mode: str, out: str) -> None:
     """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, DYNAMO:
-    nvfp4_sampler with `compilation_config.backend = "eager"`, or WGMMA: on the wgmma kernel): decode
+    nvfp4_sampler with `compilation_config.backend = "eager"`, or a KERNEL_VARIANTS engine): decode
     tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
     category at batch 16, written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -101,8 +104,9 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         quant = "nvfp4_sampler"
         engine_mode = {**engine_mode, "compilation_config": {**engine_mode.get("compilation_config", {}),
                                                              "backend": "eager"}}
-    if quant == WGMMA:
-        os.environ["NVFP4_SAMPLER_MMA"] = "wgmma"          # read by kernels.cuda_mma at import (engine core too)
+    if quant in KERNEL_VARIANTS:
+        var, value = KERNEL_VARIANTS[quant]
+        os.environ[var] = value
         quant = "nvfp4_sampler"
     if quant == STRICT:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
@@ -203,6 +207,8 @@ def main() -> None:
     ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (one more engine)")
     ap.add_argument("--dynamo", action="store_true", help="also nvfp4_sampler on dynamo's eager backend (one more engine)")
     ap.add_argument("--wgmma", action="store_true", help="also nvfp4_sampler on the wgmma decode kernel (one more engine)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also nvfp4_sampler with split-K through thread-block clusters (one more engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -215,7 +221,7 @@ def main() -> None:
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
     quants = (("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
-              + ((WGMMA,) if args.wgmma else ()))
+              + (("nvfp4_wgmma",) if args.wgmma else ()) + (("nvfp4_cluster",) if args.cluster else ()))
     if args.dynamo and args.mode != "compiled":
         ap.error("--dynamo compares against the compiled mode: --mode compiled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
@@ -236,7 +242,7 @@ def main() -> None:
     asyncs = sorted({str(e[q].get("async_scheduling")) for e in results["models"].values() for q in quants})
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
           f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
-    # nvfp4 vs BF16, then each further engine (strict, dynamo, wgmma) vs both
+    # nvfp4 vs BF16, then each further engine (strict, dynamo, kernel variants) vs both
     ratios = [(quants[1], quants[0])] + [(v, base) for v in quants[2:] for base in quants[:2]]
     print("| model (layers) | batch | " + " | ".join(f"{q} tok/s" for q in quants) + " | "
           + " | ".join(f"{a} / {b}" for a, b in ratios) + f" | spread of {REPEATS} ({' / '.join(quants)}) |\n|"

@@ -35,6 +35,7 @@ step() {   # step NAME: its timeout (s) and command
                               tests/test_reference.py tests/test_converters.py tests/test_push.py" ;;
     mma)       limit=150; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     mma_wgmma) limit=150; cmd="env NVFP4_SAMPLER_MMA=wgmma python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
+    mma_cluster) limit=150; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
@@ -62,6 +63,8 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
     bench_e2e_wgmma) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
                               --out $OUT/bench_vllm_e2e_wgmma.json" ;;
+    bench_e2e_cluster) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --cluster
+                              --out $OUT/bench_vllm_e2e_cluster.json" ;;
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict_moe) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4 --strict

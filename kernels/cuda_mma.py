@@ -58,6 +58,15 @@ _MMA = os.environ.get("NVFP4_SAMPLER_MMA", "mma")
 if _MMA not in ("mma", "wgmma"):
     raise ValueError(f"NVFP4_SAMPLER_MMA must be 'mma' or 'wgmma', got {_MMA!r}")
 WGMMA = _MMA == "wgmma"
+# Split-K through thread-block clusters (the .cu file's CLUSTER: partial sums added through distributed
+# shared memory, no FP32 planes in global memory, the same bits) for launches of S <= CLUSTER_MAX_S
+# slices; read at import from NVFP4_SAMPLER_SPLIT_K ("global" or "cluster") like NVFP4_SAMPLER_MMA, off
+# until measured on the H200
+_SPLIT_K = os.environ.get("NVFP4_SAMPLER_SPLIT_K", "global")
+if _SPLIT_K not in ("global", "cluster"):
+    raise ValueError(f"NVFP4_SAMPLER_SPLIT_K must be 'global' or 'cluster', got {_SPLIT_K!r}")
+CLUSTER = _SPLIT_K == "cluster"
+CLUSTER_MAX_S = 8         # the portable cluster size
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -77,18 +86,20 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
 def prepare(device: torch.device) -> tuple[bool, str]:
     """Load-time set-up on `device`: the probe, every kernel variant a forward may launch compiled and
-    loaded (dense: bf16/fp16 out, both layouts; grouped MoE: fp32 out, ModelOpt), the split-K tickets
-    allocated, so that no forward (and no CUDA-graph capture) compiles or allocates them. (ok, reason)."""
+    loaded (dense: bf16/fp16 out, both layouts; grouped MoE: fp32 out, ModelOpt; with CLUSTER both
+    split-K forms, since S = 1 or S > CLUSTER_MAX_S keep the planes), the split-K tickets allocated, so
+    that no forward (and no CUDA-graph capture) compiles or allocates them. (ok, reason)."""
     ok, reason = supported(device)
     if not ok:
         return ok, reason
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        for nt, rw in VARIANTS:
-            for out_dtype in (torch.bfloat16, torch.float16):
-                for tiled in (False, True):
-                    _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA)
-        _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index, WGMMA)
+        for cluster in sorted({False, CLUSTER}):
+            for nt, rw in VARIANTS:
+                for out_dtype in (torch.bfloat16, torch.float16):
+                    for tiled in (False, True):
+                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster)
+            _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index, WGMMA, cluster)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -115,18 +126,23 @@ def shape_ok(n: int, k: int) -> bool:
     return n % 16 == 0 and k % CHUNK == 0 and k > 0
 
 
-def config(n: int, k: int, *, cps: int | None = None) -> dict:
+def config(n: int, k: int, *, cps: int | None = None, cluster: bool = False) -> dict:
     """Launch constants from the weight shape alone (never M: the reduction order must not depend
-    on the batch): CPS chunks of 128 per split-K slice, S slices. CPS is 8 where that still gives
-    _MIN_CTAS CTAs of _CPS_ROWS rows, else 4: on the H200 more, shorter slices ran faster
-    (bench_kernels, M = 1 and 16: 8B gate_up best at 8, 8B down and o best at 4).
+    on the batch): CPS chunks of 128 per split-K slice, S slices, CLUSTER: whether the slices add up
+    through a thread-block cluster. CPS is 8 where that still gives _MIN_CTAS CTAs of _CPS_ROWS rows,
+    else 4: on the H200 more, shorter slices ran faster with the global planes (bench_kernels, M = 1
+    and 16: 8B gate_up best at 8, 8B down and o best at 4); cluster: at least chunks / CLUSTER_MAX_S
+    (K = 12288: 12), so that the slices fit a cluster (a summation order of its own for such shapes).
     cps: an override (benchmarks; 1.._MAX_CPS), which changes the summation order."""
     chunks = k // CHUNK
     if cps is None:
         cps = min(chunks, 8 if -(-n // _CPS_ROWS) * -(-chunks // 8) >= _MIN_CTAS else 4)
+        if cluster:
+            cps = max(cps, min(_MAX_CPS, -(-chunks // CLUSTER_MAX_S)))
     elif not 1 <= cps <= _MAX_CPS:
         raise ValueError(f"cps must be in [1, {_MAX_CPS}], got {cps}")
-    return dict(CPS=cps, S=-(-chunks // cps))
+    slices = -(-chunks // cps)
+    return dict(CPS=cps, S=slices, CLUSTER=cluster and 1 < slices <= CLUSTER_MAX_S)
 
 
 def tiles(m: int, *, rw: int | None = None, nt: int | None = None) -> tuple[int, int]:
@@ -228,15 +244,15 @@ def _wgmma_source(nt: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
-            wgmma: bool = False):
+            wgmma: bool = False, cluster: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
-    wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`)."""
+    wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
-               f"-DWGMMA={int(wgmma)}"]
+               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}"]
     source = (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text()
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
@@ -277,8 +293,8 @@ class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+_CLUSTER_DIMENSION = 4                         # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (value: x, y, z)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6         # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_PDL = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION, 0, (ctypes.c_uint * 16)(1))
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -287,7 +303,8 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
-           rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None) -> torch.Tensor:
+           rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
+           cluster: bool | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -302,6 +319,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
     wgmma the warpgroup-MMA variant (sm_90a; rw % 4 == 0): one wgmma per k16 step and 4 warps instead of
           nt mma.sync per warp; None: `WGMMA` (NVFP4_SAMPLER_MMA, default off until measured)
+    cluster  split-K slices added through a thread-block cluster's shared memory instead of FP32 planes in
+          global memory (the same bits for the same slices; `config` lengthens the default slice where S
+          would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -332,7 +352,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"stages must be in [2, 8], got {stages}")
     if m == 0:
         return out
-    cfg = config(n, k, cps=cps)
+    cfg = config(n, k, cps=cps, cluster=CLUSTER if cluster is None else cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
     if wgmma and rw % 4:
@@ -342,9 +362,12 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
-    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 else None
-    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma)["w4a16_mma"]
+    cluster = cfg["CLUSTER"]
+    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
+    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma, cluster)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
+    if cluster:                                      # the partial sums reuse the space: [rw][nt][4][32] fp32
+        smem = max(smem, rw * nt * 512)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
@@ -352,7 +375,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
-    _launch(kernel, (row_ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True)
+    _launch(kernel, (row_ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
+            cluster=cfg["S"] if cluster else 1)
     return out
 
 
@@ -372,12 +396,15 @@ def dequantize(w: NVFP4Tensor) -> torch.Tensor:
 
 
 def _launch(kernel, grid: tuple[int, int, int], threads: int, smem: int, device: torch.device, args: list,
-            *, pdl: bool) -> None:
-    """cuLaunchKernelEx of a loaded kernel on the current stream of `device` (ctypes arguments)."""
+            *, pdl: bool, cluster: int = 1) -> None:
+    """cuLaunchKernelEx of a loaded kernel on the current stream of `device` (ctypes arguments); pdl:
+    as a programmatic dependent of the previous launch; cluster: CTAs (along y) per thread-block cluster."""
     from torch.cuda import _utils
     arg_ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    attrs = ([(_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + \
+        ([(_CLUSTER_DIMENSION, (1, cluster, 1))] if cluster > 1 else [])
+    array = (_LaunchAttribute * max(1, len(attrs)))(*[_LaunchAttribute(i, 0, (ctypes.c_uint * 16)(*v)) for i, v in attrs])
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem,
-                        torch.cuda.current_stream(device).cuda_stream, ctypes.pointer(_PDL) if pdl else None,
-                        int(pdl))
+                        torch.cuda.current_stream(device).cuda_stream, array if attrs else None, len(attrs))
     _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arg_ptrs,
                                                                           None))

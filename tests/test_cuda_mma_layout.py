@@ -163,22 +163,24 @@ def test_tiled_words_decode_to_the_same_pairs():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32,wgmma", [
-    (1, 4, 1, 0, cuda_mma.STAGES, 0, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0, 0), (2, 8, 0, 0, 8, 0, 0),
-    (1, 4, 1, 1, 2, 0, 0), (4, 8, 1, 0, cuda_mma.STAGES, 0, 0),
-    (8, 8, 1, 1, cuda_mma.STAGES, 0, 0),                                   # 64 tokens a CTA (tiled, as engines store)
-    (4, 16, 1, 1, cuda_mma.STAGES, 0, 0),                                  # `throughput_options` on wide weights
-    (1, 4, 0, 0, cuda_mma.STAGES, 1, 0), (2, 8, 0, 0, cuda_mma.STAGES, 1, 0),   # the grouped MoE's fp32 output
-    (4, 8, 0, 0, cuda_mma.STAGES, 1, 0),                                   # (NT 1, 2, 4: bench_moe's sweep)
-    (1, 4, 1, 1, cuda_mma.STAGES, 0, 1), (2, 8, 1, 1, cuda_mma.STAGES, 0, 1),   # the warpgroup-MMA variant
-    (8, 8, 1, 1, cuda_mma.STAGES, 0, 1), (4, 16, 1, 1, cuda_mma.STAGES, 0, 1), (1, 4, 0, 0, cuda_mma.STAGES, 1, 1)])
-def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32, wgmma):
+@pytest.mark.parametrize("nt,rw,bf16,tiled,stages,f32,wgmma,cluster", [
+    (1, 4, 1, 0, cuda_mma.STAGES, 0, 0, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0, 0, 0), (2, 8, 0, 0, 8, 0, 0, 0),
+    (1, 4, 1, 1, 2, 0, 0, 0), (4, 8, 1, 0, cuda_mma.STAGES, 0, 0, 0),
+    (8, 8, 1, 1, cuda_mma.STAGES, 0, 0, 0),                                   # 64 tokens a CTA (tiled, as engines store)
+    (4, 16, 1, 1, cuda_mma.STAGES, 0, 0, 0),                                  # `throughput_options` on wide weights
+    (1, 4, 0, 0, cuda_mma.STAGES, 1, 0, 0), (2, 8, 0, 0, cuda_mma.STAGES, 1, 0, 0),   # the grouped MoE's fp32 output
+    (4, 8, 0, 0, cuda_mma.STAGES, 1, 0, 0),                                   # (NT 1, 2, 4: bench_moe's sweep)
+    (1, 4, 1, 1, cuda_mma.STAGES, 0, 1, 0), (2, 8, 1, 1, cuda_mma.STAGES, 0, 1, 0),   # the warpgroup-MMA variant
+    (8, 8, 1, 1, cuda_mma.STAGES, 0, 1, 0), (4, 16, 1, 1, cuda_mma.STAGES, 0, 1, 0), (1, 4, 0, 0, cuda_mma.STAGES, 1, 1, 0),
+    (2, 8, 1, 1, cuda_mma.STAGES, 0, 0, 1), (4, 16, 1, 1, cuda_mma.STAGES, 0, 0, 1),  # split-K through clusters
+    (1, 4, 0, 0, cuda_mma.STAGES, 1, 0, 1), (2, 8, 1, 1, cuda_mma.STAGES, 0, 1, 1), (8, 8, 1, 1, cuda_mma.STAGES, 0, 1, 1)])
+def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages, f32, wgmma, cluster):
     source = tmp_path / "k.cu"
     source.write_text((cuda_mma._wgmma_source(nt) if wgmma else "") + SOURCE)
     arch = "90a" if wgmma else "90"
     res = subprocess.run(["nvcc", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-Xptxas", "-v",
                           f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={bf16}", f"-DTILED={tiled}", f"-DSTAGES={stages}",
-                          f"-DOUT_F32={f32}", f"-DWGMMA={wgmma}",
+                          f"-DOUT_F32={f32}", f"-DWGMMA={wgmma}", f"-DCLUSTER={cluster}",
                           "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "0 bytes spill stores" in res.stderr, res.stderr
@@ -187,11 +189,19 @@ def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages,
 
 
 def test_config_depends_on_the_weight_shape_only():
-    for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152)]:
-        cfg = cuda_mma.config(n, k)
-        assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
-        assert cfg["CPS"] <= cuda_mma._MAX_CPS
-        assert cuda_mma._smem_bytes(4, cfg["CPS"], 8, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
+    for n, k in [(4096, 4096), (24576, 4096), (4096, 12288), (6144, 4096), (16, 128), (96, 1152), (2048, 32768)]:
+        for cluster in (False, True):
+            cfg = cuda_mma.config(n, k, cluster=cluster)
+            assert cfg["CPS"] * cfg["S"] >= k // cuda_mma.CHUNK > (cfg["S"] - 1) * cfg["CPS"]
+            assert cfg["CPS"] <= cuda_mma._MAX_CPS
+            assert cuda_mma._smem_bytes(4, cfg["CPS"], 8, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
+            # a cluster holds the slices wherever the longest slice can: up to 128 chunks (K = 16384)
+            assert cfg["CLUSTER"] == (cluster and 1 < cfg["S"] <= cuda_mma.CLUSTER_MAX_S)
+            assert cfg["CLUSTER"] or not cluster or cfg["S"] == 1 or k > 16384
+    assert cuda_mma.config(4096, 12288) == dict(CPS=4, S=24, CLUSTER=False)
+    assert cuda_mma.config(4096, 12288, cluster=True) == dict(CPS=12, S=8, CLUSTER=True)
+    assert cuda_mma.config(24576, 4096, cluster=True) == dict(CPS=8, S=4, CLUSTER=True)    # the slice unchanged
+    assert cuda_mma.config(4096, 12288, cps=4, cluster=True)["CLUSTER"] is False           # an explicit slice stays
 
 
 def test_launch_refuses_a_bad_grouped_call():
@@ -280,16 +290,18 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
         triton_moe.moe(x, w13, w2, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int64), path="mma")
 
 
-def test_the_mma_switch_is_read_once_and_checked():
-    """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"); anything else
-    stops the import with the variable's name."""
+@pytest.mark.parametrize("var,attr,values", [("NVFP4_SAMPLER_MMA", "WGMMA", ("mma", "wgmma")),
+                                             ("NVFP4_SAMPLER_SPLIT_K", "CLUSTER", ("global", "cluster"))])
+def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
+    """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),
+    NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"); anything else stops the
+    import with the variable's name."""
     import os
     import sys
-    code = "from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.WGMMA)"
-    for value, want in (("mma", "False"), ("wgmma", "True")):
+    code = f"from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.{attr})"
+    for value, want in zip(values, ("False", "True")):
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             env=dict(os.environ, NVFP4_SAMPLER_MMA=value))
+                             env=dict(os.environ, **{var: value}))
         assert res.stdout.strip() == want, res.stderr
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, NVFP4_SAMPLER_MMA="hgmma"))
-    assert res.returncode != 0 and "NVFP4_SAMPLER_MMA must be 'mma' or 'wgmma'" in res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, **{var: "x"}))
+    assert res.returncode != 0 and f"{var} must be '{values[0]}' or '{values[1]}'" in res.stderr

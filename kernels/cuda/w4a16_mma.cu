@@ -10,6 +10,8 @@
 //   WGMMA     1: each k16 step is one warpgroup MMA (wgmma.mma_async.m64n{8 NT}k16, sm_90a) per 4 warps instead
 //             of 2 NT mma.sync per warp, the activations read by the tensor cores from shared memory;
 //             needs RW % 4 == 0 and `wgmma_k32`, which the host generates for NT (`cuda_mma._wgmma_source`)
+//   CLUSTER   1: launched as clusters of the S split-K CTAs of a tile (1 x S x 1, S <= 8), which add their
+//             partial sums through distributed shared memory instead of FP32 planes in global memory
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
@@ -44,7 +46,9 @@
 //
 // Reduction order. Each output element is summed in a fixed order that depends on (N, K) and the
 // launch constants only, never on M or on the other tokens: k16 steps in order inside a warp, then
-// the split-K planes in order 0..S-1 by the last CTA of a tile (atomic ticket). Deterministic and
+// the split-K partial sums in order 0..S-1 from 0: by the last CTA of a tile (atomic ticket), or
+// (CLUSTER) by the CTA of the cluster that finishes the warp's rows (warp % S == its rank), reading
+// every rank's partials from its shared memory. Both give the same bits. Deterministic and
 // batch-invariant.
 
 typedef unsigned int u32;
@@ -56,6 +60,9 @@ typedef unsigned long long u64;
 #endif
 #if WGMMA && RW % 4
 #error "WGMMA needs whole warpgroups: RW % 4 == 0"
+#endif
+#ifndef CLUSTER
+#define CLUSTER 0
 #endif
 
 // Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
@@ -131,6 +138,22 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {   // dst:
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
+
+#if CLUSTER
+// Every thread of the cluster's CTAs arrives (release: its shared-memory stores before) and waits (acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The fp32 at shared address `addr` of the cluster's CTA `rank`.
+__device__ __forceinline__ float ld_cluster(u32 addr, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
@@ -340,6 +363,35 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < m_end ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
+#if CLUSTER
+  // 3'. split-K through the cluster: partials [warp][j][v][lane] into this CTA's shared memory (the
+  //     activations' and rings' space, free once every warp is past its last MMA), then the CTA of
+  //     rank warp % S adds the S CTAs' partials of warp's rows in rank order and finishes them
+  if (S > 1) {
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(xs) + warp * NT * 4 * 32 + lane;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) red[(j * 4 + v) * 32] = acc[j][v];
+    cluster_sync();
+    const bool mine = warp % S == split;
+    if (mine) {
+      const u32 red_s = smem_addr(red);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[j][v] = __fadd_rn(acc[j][v], ld_cluster(red_s + (j * 4 + v) * 128, s));
+    }
+    cluster_sync();                      // no CTA exits while another still reads its shared memory
+    if (!mine) return;
+  }
+#else
   if (S > 1) {
     if (rows_ok) {
 #pragma unroll
@@ -378,6 +430,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           }
     }
   }
+#endif
 
   // 4. epilogue: ((acc * 2^14) * S_dec_a) * S_dec_w + bias, rounded once
   if (!rows_ok) return;
