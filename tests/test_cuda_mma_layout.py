@@ -10,6 +10,7 @@ The GPU test (`tests/test_gpu_mma.py`) checks the kernel's numbers on the H200.
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -186,6 +187,11 @@ def test_compiles_for_sm90_without_spills(tmp_path, nt, rw, bf16, tiled, stages,
     assert "0 bytes spill stores" in res.stderr, res.stderr
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     assert regs * 32 * rw * (3 if rw <= 4 else 2) <= 65536, f"{regs} registers: too few CTAs of {rw} warps per SM"
+    if cluster and importlib.util.find_spec("triton"):      # Triton ships cuobjdump: the cluster barrier is there
+        import triton
+        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", str(tmp_path / "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+        assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass
 
 
 def test_config_depends_on_the_weight_shape_only():
