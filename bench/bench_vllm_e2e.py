@@ -11,9 +11,11 @@ through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `sto
 the engine core's process and writes a chrome trace there): GPU time by kernel category (ours,
 attention, BF16 GEMMs, norms and other compiled elementwise kernels, sampling), the wall time of the
 profiled runs (their difference is GPU idle time; the profiler's host overhead is in it) and the
-unprofiled wall per step at batch 16 (B / tokens/s). Layer counts are cut (shown in the
-table) so the run fits one device command; lm_head and embeddings are BF16 in both engines, so fewer
-layers weigh the common lm_head more than the full model would (the ratio is then closer to 1).
+unprofiled wall per step at batch 16 (B / tokens/s), and from the trace's timeline the kernels per step
+and the GPU's idle time split into launch gaps (< GAP_SPLIT_US between busy spans) and waits for the
+host. Layer counts are cut (shown in the table) so the run fits one device command; lm_head and
+embeddings are BF16 in both engines, so fewer layers weigh the common lm_head more than the full model
+would (the ratio is then closer to 1).
 --strict adds a third engine, nvfp4_sampler in strict mode (`quantization_config.strict` and
 VLLM_BATCH_INVARIANT=1: batch-invariant NVFP4 kernels plus vLLM's batch-invariant attention, norms,
 BF16 GEMMs and log_softmax), same mode and batches: the cost of strict mode, side by side with the
@@ -152,16 +154,30 @@ def async_scheduling(llm) -> bool | None:
     return getattr(getattr(config, "scheduler_config", None), "async_scheduling", None)
 
 
-def trace_device_us(path: Path) -> dict[str, float]:
-    """GPU microseconds per kernel name (memcpy and memset included) in one chrome trace (.json or
-    .json.gz) written by the torch profiler."""
+GAP_SPLIT_US = 10.0     # GPU idle gaps shorter than this: launch gaps (between the kernels of a CUDA graph or of
+                        # back-to-back launches); longer: the GPU waiting for the host
+
+
+def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """One chrome trace (.json or .json.gz) written by the torch profiler: (GPU microseconds per kernel
+    name, memcpy and memset included; the timeline: "kernels" (count), "idle_short_us" / "short_gaps"
+    (total and count of the gaps < GAP_SPLIT_US between busy spans, all streams merged) and
+    "idle_long_us" (the longer gaps))."""
     with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
+        events = [e for e in json.load(f).get("traceEvents", [])
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     us: dict[str, float] = {}
     for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
-    return us
+        us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
+    line = {"kernels": float(len(events)), "idle_short_us": 0.0, "short_gaps": 0.0, "idle_long_us": 0.0}
+    end = None
+    for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events):
+        if end is not None and start > end:
+            short = start - end < GAP_SPLIT_US
+            line["idle_short_us" if short else "idle_long_us"] += start - end
+            line["short_gaps"] += short
+        end = stop if end is None else max(end, stop)
+    return us, line
 
 
 def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) -> dict:
@@ -171,7 +187,7 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
     traces the profiler writes into trace_dir on stop are read back). `run(b, n)` -> wall seconds."""
     trace_dir = Path(trace_dir)
 
-    def profiled(n: int) -> tuple[dict, float, list]:
+    def profiled(n: int) -> tuple[dict, dict, float, list]:
         before = set(trace_dir.glob("*")) if trace_dir.exists() else set()
         llm.start_profile()
         try:
@@ -182,21 +198,26 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
         if not traces:
             raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
         kernels: dict = {}
+        line: dict = {}
         for path in traces:                                 # one per worker (rank)
-            for name, us in trace_device_us(path).items():
+            names, timeline = trace_device(path)
+            for name, us in names.items():
                 kernels[name] = kernels.get(name, 0.0) + us
+            for key, v in timeline.items():
+                line[key] = line.get(key, 0.0) + v
         cats: dict = {}
         for name, us in kernels.items():
             cats[_category(name)] = cats.get(_category(name), 0.0) + us
         top = sorted(((us, name) for name, us in kernels.items()), reverse=True)
-        return cats, wall, [(round(us, 1), name[:80]) for us, name in top[:12]]
+        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]]
 
-    long, wall_long, top = profiled(steps + 1)
-    short, wall_short, _ = profiled(1)
+    long, line_long, wall_long, top = profiled(steps + 1)
+    short, line_short, wall_short, _ = profiled(1)
     per_step = {c: (long.get(c, 0.0) - short.get(c, 0.0)) / steps for c in set(long) | set(short)}
     wall = (wall_long - wall_short) / steps * 1e6
+    timeline = {f"{key}_per_step": (line_long[key] - line_short.get(key, 0.0)) / steps for key in line_long}
     return {"batch": b, "wall_us_per_step": wall, "gpu_us_per_step": per_step,
-            "gpu_total_us_per_step": sum(per_step.values()), "top_kernels_long_run": top}
+            "gpu_total_us_per_step": sum(per_step.values()), **timeline, "top_kernels_long_run": top}
 
 
 def main() -> None:
@@ -259,8 +280,11 @@ def main() -> None:
         print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category ({' / '.join(quants)})")
         prof = {q: entry[q].get("profile", {}) for q in quants}
         cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
-        totals = {"GPU total": "gpu_total_us_per_step", "wall (profiled)": "wall_us_per_step",
-                  "wall (unprofiled, 16 / tokens/s)": "wall_us_per_step_unprofiled"}
+        totals = {"GPU total": "gpu_total_us_per_step",
+                  f"GPU idle in gaps < {GAP_SPLIT_US:.0f} us (launch gaps)": "idle_short_us_per_step",
+                  f"GPU idle in gaps >= {GAP_SPLIT_US:.0f} us (waiting for the host)": "idle_long_us_per_step",
+                  "kernels (count)": "kernels_per_step", "launch gaps (count)": "short_gaps_per_step",
+                  "wall (profiled)": "wall_us_per_step", "wall (unprofiled, 16 / tokens/s)": "wall_us_per_step_unprofiled"}
         for c in cats + list(totals):
             vals = [p.get(totals[c]) if c in totals else p.get("gpu_us_per_step", {}).get(c) for p in prof.values()]
             print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))

@@ -30,3 +30,21 @@ _GLUE = "MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)"
 ])
 def test_kernel_categories(kernel, category):
     assert e2e._category(kernel) == category
+
+
+def test_trace_timeline_splits_idle_into_launch_gaps_and_host_waits(tmp_path):
+    """Busy spans of all streams merged (a PDL overlap is no gap); gaps under GAP_SPLIT_US are launch gaps,
+    longer ones waits for the host; CPU events do not count."""
+    import gzip
+    import json
+    kernel = lambda name, ts, dur, tid=7: {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid}
+    events = [kernel("_act_quant_kernel", 0, 3), kernel("w4a16_mma", 2, 20, tid=8),   # overlapping (PDL)
+              kernel("w4a16_mma", 24, 10),                                            # 2 us launch gap
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 134, "dur": 1},      # 100 us host wait
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 40, "dur": 50}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    us, line = e2e.trace_device(path)
+    assert us == {"_act_quant_kernel": 3.0, "w4a16_mma": 30.0, "Memcpy DtoD": 1.0}
+    assert line == {"kernels": 4.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0}
