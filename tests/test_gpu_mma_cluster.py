@@ -1,0 +1,60 @@
+"""`cuda_mma`'s split-K through thread-block clusters on the H200 (`bash bench/h200.sh mma_cluster`, which also
+runs tests/test_gpu_mma.py with every launch on it): the global planes' bits for the same slices. A step of
+its own, so that a fault in the cluster form cannot cost the other kernel tests their results."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_sampler.kernels import reference
+from tests.test_gpu_mma import _check, _w, _x, mods  # noqa: F401 - mods: the module's fixture
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
+@pytest.mark.parametrize("n,k,cps", [(640, 2048, None), (4096, 4096, None), (4096, 4096, 16), (256, 8192, 8),
+                                     (4096, 12288, None), (2048, 2048, 8)])
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_cluster_split_k_gives_the_global_planes_bits(mods, m, n, k, cps, wgmma):
+    """`launch(cluster=True)`: the S split-K CTAs of a tile add their partial sums through a thread-block
+    cluster's shared memory, in the order the global FP32 planes are added: the same bits for the same
+    slices (S = 2-8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the reference's
+    bound; CUDA-graph replay too."""
+    cuda_mma, _, tq = mods
+    x, w = _x(m, k, seed=m + k), _w(n, k, seed=n + 7, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    wk = cuda_mma.tile_weight(w)
+    cfg = cuda_mma.config(n, k, cps=cps, cluster=True)
+    assert cfg["CLUSTER"]
+    cps = cfg["CPS"]
+    outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    for out, cluster in zip(outs[:2], (False, True)):
+        cuda_mma.launch(a.values, a.global_scale, wk, out, bias=bias, cps=cps, cluster=cluster, wgmma=wgmma)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_mma.launch(a.values, a.global_scale, wk, outs[2], bias=bias, cps=cps, cluster=True, wgmma=wgmma)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(outs[0], x, w, bias)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
+def test_cluster_split_k_grouped(mods):
+    """The grouped (MoE) launch with split-K through clusters: the global planes' bits, empty tiles skipped
+    by whole clusters."""
+    cuda_mma, _, tq = mods
+    from nvfp4_sampler.kernels import triton_moe
+    experts, n, k, tokens, top_k = 8, 256, 2048, 40, 2
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = reference.quantize_weight((torch.randn(experts, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
+    x = _x(tokens * top_k, k, seed=6)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    _, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
+    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    outs = [torch.full((tokens * top_k, n), float("nan"), device="cuda") for _ in range(2)]
+    for out, cluster in zip(outs, (False, True)):
+        cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=cuda_mma.GROUPED_NT, rw=4,
+                        cluster=cluster)
+    assert cuda_mma.config(n, k)["S"] > 1 and torch.equal(outs[1], outs[0])
