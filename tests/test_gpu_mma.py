@@ -125,24 +125,31 @@ def test_wgmma_variant_matches_reference_and_is_batch_invariant(mods, m, n, k):
     assert torch.equal(run(w, slice(m // 2, m // 2 + 1)), got[m // 2:m // 2 + 1]), "row alone"
 
 
+def grouped_launch(cuda_mma, tq, k: int, seed: int):
+    """A grouped (MoE) launch on 8 experts [256, k], 40 tokens x top-2 rows in `schedule_rows` order, rw = 4:
+    run(**launch options) -> its fp32 rows."""
+    from nvfp4_sampler.kernels import triton_moe
+    experts, n, tokens, top_k = 8, 256, 40, 2
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = reference.quantize_weight((torch.randn(experts, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
+    a = tq.quantize_per_token_exact(_x(tokens * top_k, k, seed=seed + 1), dtype=torch.float16)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    _, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
+
+    def run(**opts):
+        out = torch.full((tokens * top_k, n), float("nan"), device="cuda")
+        cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=cuda_mma.GROUPED_NT, rw=4, **opts)
+        return out
+    return run
+
+
 def test_wgmma_variant_grouped(mods):
     """The grouped (MoE) launch of the wgmma variant: its fp32 rows within FP32 reordering noise of the mma.sync
     variant's (relative norm < 1e-5; the products are exact, only the summation order may differ), and
     deterministic."""
     cuda_mma, _, tq = mods
-    from nvfp4_sampler.kernels import triton_moe
-    experts, n, k, tokens, top_k = 8, 256, 1024, 40, 2
-    g = torch.Generator(device="cuda").manual_seed(3)
-    w = reference.quantize_weight((torch.randn(experts, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
-    x = _x(tokens * top_k, k, seed=4)
-    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
-    order, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
-    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
-    outs = []
-    for wgmma in (False, True, True):
-        outs.append(torch.full((tokens * top_k, n), float("nan"), device="cuda"))
-        cuda_mma.launch(a.values, a.global_scale, w, outs[-1], schedule=schedule, nt=cuda_mma.GROUPED_NT,
-                        rw=4, wgmma=wgmma)
+    run = grouped_launch(cuda_mma, tq, 1024, seed=3)
+    outs = [run(wgmma=wgmma) for wgmma in (False, True, True)]
     assert ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 1e-5
     assert torch.equal(outs[1], outs[2])
 

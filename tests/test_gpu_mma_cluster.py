@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvfp4_sampler.kernels import reference
-from tests.test_gpu_mma import _check, _w, _x, mods  # noqa: F401 - mods: the module's fixture
+from tests.test_gpu_mma import _check, _w, _x, grouped_launch, mods  # noqa: F401 - mods: the module's fixture
 
 pytestmark = pytest.mark.gpu
 
@@ -45,16 +44,5 @@ def test_cluster_split_k_grouped(mods):
     """The grouped (MoE) launch with split-K through clusters: the global planes' bits, empty tiles skipped
     by whole clusters."""
     cuda_mma, _, tq = mods
-    from nvfp4_sampler.kernels import triton_moe
-    experts, n, k, tokens, top_k = 8, 256, 2048, 40, 2
-    g = torch.Generator(device="cuda").manual_seed(5)
-    w = reference.quantize_weight((torch.randn(experts, n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16))
-    x = _x(tokens * top_k, k, seed=6)
-    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
-    _, _, schedule = triton_moe.schedule_rows(ids, experts, 8 * cuda_mma.GROUPED_NT)
-    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
-    outs = [torch.full((tokens * top_k, n), float("nan"), device="cuda") for _ in range(2)]
-    for out, cluster in zip(outs, (False, True)):
-        cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=cuda_mma.GROUPED_NT, rw=4,
-                        cluster=cluster)
-    assert cuda_mma.config(n, k)["S"] > 1 and torch.equal(outs[1], outs[0])
+    run = grouped_launch(cuda_mma, tq, 2048, seed=5)
+    assert cuda_mma.config(256, 2048)["S"] > 1 and torch.equal(run(cluster=True), run(cluster=False))
