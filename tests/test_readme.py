@@ -50,3 +50,14 @@ def test_the_vllm_flags_name_real_objects():
         module, name = path.rsplit(".", 1)
         assert hasattr(importlib.import_module(module), name), path
     assert "--quantization nvfp4_sampler" in README
+
+
+def test_the_device_steps_named_in_the_docs_exist():
+    """Every step a `bash bench/h200.sh ...` line of the README or docs/BENCHMARKS.md names is a step of
+    bench/h200.sh (its `case` labels)."""
+    root = Path(__file__).resolve().parents[1]
+    steps = set(re.findall(r"^\s+([a-z0-9_.]+)\)", (root / "bench" / "h200.sh").read_text(), flags=re.M))
+    named = {step for text in (README, (root / "docs" / "BENCHMARKS.md").read_text())
+             for line in re.findall(r"bash bench/h200\.sh ([a-z0-9_.+ ]+)", text)
+             for step in re.split(r"[+ ]", line.strip()) if step}
+    assert named and not named - steps, sorted(named - steps)
