@@ -60,9 +60,11 @@ if _MMA not in ("mma", "wgmma"):
 WGMMA = _MMA == "wgmma"
 # Split-K through thread-block clusters (the .cu file's CLUSTER: partial sums added through distributed
 # shared memory, no FP32 planes in global memory, the same bits) for launches of S <= CLUSTER_MAX_S
-# slices; read at import from NVFP4_SAMPLER_SPLIT_K ("global" or "cluster") like NVFP4_SAMPLER_MMA, off
-# until measured on the H200
-_SPLIT_K = os.environ.get("NVFP4_SAMPLER_SPLIT_K", "global")
+# slices; read at import from NVFP4_SAMPLER_SPLIT_K ("cluster", the default, or "global") like
+# NVFP4_SAMPLER_MMA. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster): 8B down M = 1
+# 17.7 / 14.2, M = 16 28.3 / 19.7; the four 8B linears summed: M = 1 59.5 / 52.9, M = 16 83.6 / 75.5,
+# M = 32 124.4 / 113.1, M = 64 194.5 / 194.5
+_SPLIT_K = os.environ.get("NVFP4_SAMPLER_SPLIT_K", "cluster")
 if _SPLIT_K not in ("global", "cluster"):
     raise ValueError(f"NVFP4_SAMPLER_SPLIT_K must be 'global' or 'cluster', got {_SPLIT_K!r}")
 CLUSTER = _SPLIT_K == "cluster"
@@ -99,7 +101,8 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                 for out_dtype in (torch.bfloat16, torch.float16):
                     for tiled in (False, True):
                         _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster)
-            _kernel(*tiles(8 * GROUPED_NT, nt=GROUPED_NT), torch.float32, False, STAGES, index, WGMMA, cluster)
+            for nt in (GROUPED_NT, GROUPED_NT_WIDE):
+                _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -118,6 +121,11 @@ def throughput_options(m: int, n: int, k: int) -> dict:
 
 GROUPED_NT = 1            # token tiles of 8 per expert tile of the grouped (MoE) launch, `triton_moe._moe_tiled`:
                           # decode batches give an expert a few rows
+GROUPED_NT_WIDE = 2       # ... from `triton_moe.MMA_WIDE_PAIRS` pairs on (H200, 30B-A3B, us NT 1 / 2: 128 tokens
+                          # 276 / 237, 256 tokens 466 / 336)
+GROUPED_CPS = 8           # the grouped launch's split-K slice, every batch size alike (the summation order: strict
+                          # mode's batch invariance): H200, 30B-A3B, 16-256 tokens, us with 4 / 8 / 16 chunks: 16
+                          # tokens 137 / 123 / 127, 64: 202 / 179 / 181, 256: 464 / 399 / 395
 VARIANTS = sorted({(nt, rw) for _, nt, rw in TILES} | {(TILES[-1][1], 16)})   # (NT, RW) that `prepare` compiles
 
 
@@ -318,7 +326,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cps   override of `config`'s chunks per split (benchmarks); rw, nt: of `tiles`' warps and token
           tiles per CTA; stages: of the weight pipeline's depth (2..8; none but cps changes the result)
     wgmma the warpgroup-MMA variant (sm_90a; rw % 4 == 0): one wgmma per k16 step and 4 warps instead of
-          nt mma.sync per warp; None: `WGMMA` (NVFP4_SAMPLER_MMA, default off until measured)
+          nt mma.sync per warp; None: `WGMMA` (NVFP4_SAMPLER_MMA, default off: measured no faster at M <= 16)
     cluster  split-K slices added through a thread-block cluster's shared memory instead of FP32 planes in
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)

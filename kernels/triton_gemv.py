@@ -404,9 +404,10 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
     return out
 
 
-# MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort); H200
-# (docs/BENCHMARKS.md): pairs 174 us vs grouped 321 us at 16 tokens x top-8, 624 vs 458 us at 64
-PAIRED_MAX_PAIRS = 128
+# MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H200 (docs/BENCHMARKS.md,
+# 2026-12-05, 30B-A3B layer, top-8): pairs 31 us at 8 pairs; at 128 pairs pairs 169 us, the six-launch `cuda_mma`
+# path 137 (123 with 8-chunk slices); the crossover between 8 and 128 pairs is not measured: 64 splits it
+PAIRED_MAX_PAIRS = 64
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,

@@ -3,13 +3,14 @@
 Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
 program row per (token, expert) pair, activations quantized inside the launches.
 Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it):
-`_moe_tiled`, the tensor-core kernel of the dense decode over 8-row tiles of each expert's rows, each
-active expert's weights read once per tile, in six launches (`schedule_rows`, two quantizers, two GEMMs,
-`combine`) (H200, Qwen3-30B-A3B layer, 64 tokens: 308 us vs 460 grouped, 1.61x the BF16 grouped GEMM;
-16 tokens: 214 vs 173 us for the pairs). path="exact" (forced only until measured): the same steps
-with a Triton FP16 tensor-core GEMM over 64-row tiles against the experts dequantized to exact FP16
-(`triton_gemm.launch_exact`), the SwiGLU fused into w13's epilogue.
-Otherwise, steps (all on the device; the grid sizes depend only on T, top-k and E):
+`_moe_tiled`, the tensor-core kernel of the dense decode over 8-row (16 from MMA_WIDE_PAIRS) tiles of
+each expert's rows, each active expert's weights read once per tile, in six launches (`schedule_rows`,
+two quantizers, two GEMMs, `combine`) (H200, Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64
+tokens 204 us, 2.6x / 2.4x the BF16 grouped GEMM, before the 8-chunk slice). Larger batches ("exact"):
+the same steps with a Triton FP16 tensor-core GEMM over 64-row tiles, the codes decoded in it (up to
+EXACT_CODES_MAX_PAIRS) or the experts dequantized to exact FP16 (`triton_gemm.launch_exact`), the SwiGLU
+fused into w13's epilogue. The grouped packed GEMM below where neither fits
+(steps all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`schedule_rows`)
   2. quantize   x once per token (T rows, not T*k): the per-token amax and scales are computed in
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_gemm, triton_gemv, triton_quant
+from . import cuda_mma, triton_gemm, triton_gemv, triton_quant
 from .format import NVFP4Tensor
 
 
@@ -146,9 +147,10 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     """W4A4 SwiGLU MoE: x [T, H] float; w13 [E, 2I, H] (gate rows then up rows; global_scale [E]
     or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
     op_order: the per-token activation quantizer's, "vllm" or "te". path: None (by size: "pairs" up to
-    PAIRED_MAX_PAIRS (token, expert) pairs, "mma" up to MMA_MAX_PAIRS where `mma_fits`, else "grouped"),
-    or one forced: "pairs", "grouped", "mma" (what `mma_fits` checks), "exact" (bf16/fp16 x, ModelOpt
-    weights with H, I % 64 == 0: `_moe_tiled`'s FP16 tensor-core GEMM, a candidate for large batches).
+    PAIRED_MAX_PAIRS (token, expert) pairs, "mma" up to MMA_MAX_PAIRS where `mma_fits` (16-row expert tiles
+    from MMA_WIDE_PAIRS), "exact" beyond where `exact_fits` (the codes decoded in the GEMM up to
+    EXACT_CODES_MAX_PAIRS), else "grouped"), or one forced: "pairs", "grouped", "mma" (what `mma_fits`
+    checks), "exact" (bf16/fp16 x, ModelOpt weights with H, I % 64 == 0: `_moe_tiled`'s FP16 tensor-core GEMM).
     Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
         raise ValueError(f"w13 and w2 must be stacked experts [E, N, K], got {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -162,8 +164,12 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     if path not in (None, "pairs", "grouped", "mma", "exact"):
         raise ValueError(f"path must be None, 'pairs', 'grouped', 'mma' or 'exact', got {path!r}")
     path = path or moe_path(p, x, w13, w2)
-    if path in ("mma", "exact"):
-        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm=path)
+    if path == "mma":
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order,
+                          nt=cuda_mma.GROUPED_NT_WIDE if p >= MMA_WIDE_PAIRS else cuda_mma.GROUPED_NT)
+    if path == "exact":
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact",
+                          config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True) if p <= EXACT_CODES_MAX_PAIRS else None)
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
@@ -182,19 +188,31 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
 
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
+MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
+EXACT_CODES_MAX_PAIRS = 8192  # beyond MMA_MAX_PAIRS the default is "exact": the codes decoded in its GEMM up to
+                      # here, the experts dequantized to FP16 for the call above (H200, 2026-12-05, us codes / fp16
+                      # / grouped / BF16 grouped: 1024 tokens 778 / 1362 / 1277 / 728, 8192: 3752 / 3315 / 7470 / 2848)
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
     """The path `moe` takes by default for T * k = `pairs` (token, expert) pairs."""
     if pairs <= triton_gemv.PAIRED_MAX_PAIRS:
         return "pairs"
-    return "mma" if pairs <= MMA_MAX_PAIRS and mma_fits(x, w13, w2) else "grouped"
+    if pairs <= MMA_MAX_PAIRS and mma_fits(x, w13, w2):
+        return "mma"
+    return "exact" if pairs > MMA_MAX_PAIRS and exact_fits(x, w13, w2) else "grouped"
+
+
+def exact_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
+    """`_moe_tiled(gemm="exact")` takes these by default: bf16/fp16 x on CUDA, ModelOpt weights whose H and I are
+    multiples of 64 (the GEMM's K tiles)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w13.layout == "modelopt"
+            and w2.layout == "modelopt" and w13.shape[2] % 64 == 0 and w2.shape[2] % 64 == 0)
 
 
 def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
     """`_moe_tiled(gemm="mma")` can run: bf16/fp16 x, ModelOpt weights of `cuda_mma`'s shape contract, on a
     device where `cuda_mma` is prepared (`triton_gemm._mma_supported`, at load time through `dispatch`)."""
-    from . import cuda_mma, triton_gemm
     return (x.dtype in (torch.bfloat16, torch.float16) and w13.layout == "modelopt" and w2.layout == "modelopt"
             and cuda_mma.shape_ok(*w13.shape[1:]) and cuda_mma.shape_ok(*w2.shape[1:])
             and triton_gemm._mma_supported(x.device))
@@ -208,16 +226,14 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     sorted by expert (`schedule_rows`), x's rows quantized in that order into exact values (a token's k
     rows alike), w13 into fp32 [P, 2I], SwiGLU in fp32 rounded to x's dtype and quantized per row in one
     pass, w2 into fp32 [P, H], each token's k rows times their router weights summed in slot order
-    (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: a benchmark override
-    of `cuda_mma.GROUPED_NT`, every bit the same; cps: of `cuda_mma.config`'s split-K slice, which changes
-    the summation order; wgmma: of `cuda_mma.WGMMA`, the kernel's warpgroup-MMA variant; cluster: of
+    (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: `cuda_mma.GROUPED_NT` if
+    None, every nt gives the same bits; cps: a benchmark override of `cuda_mma.GROUPED_CPS`, the split-K
+    slice, which changes the summation order; wgmma: of `cuda_mma.WGMMA`, the kernel's warpgroup-MMA variant; cluster: of
     `cuda_mma.CLUSTER`, split-K through thread-block clusters, every bit the same) or "exact"
     (`triton_gemm.launch_exact` over tiles of EXACT_GROUPED rows against the experts dequantized to exact
     FP16 for the call, SwiGLU in w13's epilogue (the same operations, no fp32 [P, 2I]): larger batches;
     config: a benchmark override of EXACT_GROUPED, e.g. W_CODES to decode the codes inside the GEMM).
     Deterministic: fixed split-K order, a stable sort."""
-    from . import cuda_mma
-
     if gemm == "mma" and not mma_fits(x, w13, w2):
         raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights with N % 16 == 0, K % 128 == 0 on a "
                          f"device where cuda_mma runs; got {x.dtype}, {w13.layout} {tuple(w13.shape)}, "
@@ -230,6 +246,7 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     if gemm == "mma":
         nt = nt or cuda_mma.GROUPED_NT
         tile_rows = 8 * nt
+        cps = cps or cuda_mma.GROUPED_CPS
 
         def launch(a, w, out, schedule):
             cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=nt, cps=cps, wgmma=wgmma,

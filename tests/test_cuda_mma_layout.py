@@ -283,7 +283,7 @@ def test_tiled_order_is_what_the_kernel_indexes():
 
 def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     """The MoE default path by (token, expert) pairs: the per-pair GEMVs up to PAIRED_MAX_PAIRS; above,
-    the tensor-core kernel only where `mma_fits` (here, on the CPU, never: the grouped GEMM)."""
+    the tensor-core kernels only where `mma_fits` / `exact_fits` (here, on the CPU, never: the grouped GEMM)."""
     import torch
     pytest.importorskip("triton")
     from nvfp4_sampler.kernels import reference, triton_gemv, triton_moe
@@ -292,6 +292,8 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     assert not triton_moe.mma_fits(x, w13, w2)
     assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS, x, w13, w2) == "pairs"
     assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS + 1, x, w13, w2) == "grouped"
+    assert not triton_moe.exact_fits(x, w13, w2)
+    assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "grouped"
     with pytest.raises(ValueError, match="mma MoE"):
         triton_moe.moe(x, w13, w2, torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int64), path="mma")
 

@@ -262,9 +262,9 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
                            decoded)
     for nt in (2, 4):                                                   # more token tiles per expert tile: same bits
         assert torch.equal(triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, "vllm", nt=nt), got), f"nt={nt}"
-    default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 128, mma to 2048, grouped beyond
+    default = triton_moe.moe_path(tokens * top_k, x, w13, w2)         # pairs to 64, mma to 2048, exact beyond
     assert default == {1: "pairs", 5: "pairs", 64: "mma", 300: "mma"}[tokens]
-    assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "grouped"
+    assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "exact"
     if default == "mma":
         assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids), got)
     graph = torch.cuda.CUDAGraph()                    # as engines run decode: captured once, replayed
