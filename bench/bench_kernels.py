@@ -249,8 +249,9 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 tuned = cuda_mma.throughput_options(m, n, k)   # the warpgroup-MMA variant, tiles as the default's
                 row["wgmma_tiled_kernel_ms"] = tried_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, wgmma=True, **tuned) for w in w_t]) / len(w_t)
-                row["cluster_tiled_kernel_ms"] = tried_ms(    # split-K through clusters (same bits), tiles as above
-                    lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, cluster=True, **tuned) for w in w_t]) / len(w_t)
+                for form, cluster in (("cluster", True), ("global", False)):   # both split-K forms (same bits)
+                    row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
+                        xq.values, xq.global_scale, w, out, cluster=cluster, **tuned) for w in w_t]) / len(w_t)
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
@@ -379,8 +380,9 @@ def bench_moe(log, quick: bool) -> None:
         if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
             row["mma_wgmma_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
                                                              for tw, ti in routes]) / n_routes}
-            row["mma_cluster_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cluster=True)
-                                                               for tw, ti in routes]) / n_routes}
+            for form, cluster in (("cluster", True), ("global", False)):     # both split-K forms (same bits)
+                row[f"mma_{form}_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(
+                    x, w13, w2, tw, ti, "vllm", cluster=cluster) for tw, ti in routes]) / n_routes}
         if 16 <= t <= 256:                        # split-K slice: `config` gives w13 4 chunks (4 slices of ~18 KB
             row["mma_cps_ms"] = {                 # of weights per CTA at 16 tokens); fewer, longer slices
                 cps: tried_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
@@ -430,8 +432,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("linear"):
         if "mma_kernel_ms" in r:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: wgmma variant alone {r['wgmma_tiled_kernel_ms'] * 1e3:.1f} us, "
-                  f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us vs "
-                  f"mma.sync {r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)")
+                  f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
+                  f"{r['global_tiled_kernel_ms'] * 1e3:.1f} us vs the default "
+                  f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)")
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
@@ -468,6 +471,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
     for key, label in (("mma_wgmma_ms", "mma, warpgroup-MMA variant"), ("mma_cluster_ms", "mma, split-K through clusters"),
+                       ("mma_global_ms", "mma, split-K through global planes"),
                        ("mma_cps_ms", "mma by split-K slice (chunks)"),
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile")):

@@ -134,14 +134,16 @@ def shape_ok(n: int, k: int) -> bool:
     return n % 16 == 0 and k % CHUNK == 0 and k > 0
 
 
-def config(n: int, k: int, *, cps: int | None = None, cluster: bool = False) -> dict:
+def config(n: int, k: int, *, cps: int | None = None, cluster: bool | None = None) -> dict:
     """Launch constants from the weight shape alone (never M: the reduction order must not depend
     on the batch): CPS chunks of 128 per split-K slice, S slices, CLUSTER: whether the slices add up
     through a thread-block cluster. CPS is 8 where that still gives _MIN_CTAS CTAs of _CPS_ROWS rows,
     else 4: on the H200 more, shorter slices ran faster with the global planes (bench_kernels, M = 1
     and 16: 8B gate_up best at 8, 8B down and o best at 4); cluster: at least chunks / CLUSTER_MAX_S
     (K = 12288: 12), so that the slices fit a cluster (a summation order of its own for such shapes).
-    cps: an override (benchmarks; 1.._MAX_CPS), which changes the summation order."""
+    cps: an override (benchmarks; 1.._MAX_CPS), which changes the summation order; cluster: None for
+    `CLUSTER` (what `launch` does by default)."""
+    cluster = CLUSTER if cluster is None else cluster
     chunks = k // CHUNK
     if cps is None:
         cps = min(chunks, 8 if -(-n // _CPS_ROWS) * -(-chunks // 8) >= _MIN_CTAS else 4)
@@ -360,7 +362,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"stages must be in [2, 8], got {stages}")
     if m == 0:
         return out
-    cfg = config(n, k, cps=cps, cluster=CLUSTER if cluster is None else cluster)
+    cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
     if wgmma and rw % 4:

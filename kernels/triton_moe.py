@@ -205,9 +205,10 @@ def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 
 def exact_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
     """`_moe_tiled(gemm="exact")` takes these by default: bf16/fp16 x on CUDA, ModelOpt weights whose H and I are
-    multiples of 64 (the GEMM's K tiles)."""
+    multiples of the GEMM's K tile (`triton_gemm.EXACT_GROUPED`)."""
+    bk = triton_gemm.EXACT_GROUPED["BLOCK_K"]
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w13.layout == "modelopt"
-            and w2.layout == "modelopt" and w13.shape[2] % 64 == 0 and w2.shape[2] % 64 == 0)
+            and w2.layout == "modelopt" and w13.shape[2] % bk == 0 and w2.shape[2] % bk == 0)
 
 
 def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:

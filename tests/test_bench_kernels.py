@@ -14,7 +14,7 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
                      gemv_ms=0.141, packed_ms=0.0753, bf16_ms=0.09, auto_path="mma", ours_ms=0.0312,
                      speedup_vs_cublas=1.58, weight_gbps=1800.0, weight_frac_copy=0.42, mma_kernel_ms=0.0303,
                      mma_tiled_kernel_ms=0.0301, mma_tiled_linear_ms=0.0322, wgmma_tiled_kernel_ms=0.0221,
-                     cluster_tiled_kernel_ms=0.0262,
+                     cluster_tiled_kernel_ms=0.0262, global_tiled_kernel_ms=0.0301,
                      act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301},
                      exact_codes_kernel_ms={"64x128 s4 w4 split 1": 0.025, "128x128 s3 w8 split 1": math.nan})
 LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, cublas_ms=1.2, bf16_ms=1.45,
@@ -26,7 +26,7 @@ ACT = dict(kind="act_quant", m=16384, k=4096, bytes=1, ours_ms=0.0713, tuned_ms=
            exact_ms=0.06, exact_frac_peak_copy=0.88)
 MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, grouped_ms=0.4601, mma_ms=0.3077,
            exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, mma_wgmma_ms={"NT 1": 0.21},
-           mma_cluster_ms={"NT 1": 0.25},
+           mma_cluster_ms={"NT 1": 0.25}, mma_global_ms={"NT 1": 0.27},
            mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4})
 
 
@@ -35,8 +35,10 @@ def test_tables_print_every_column_and_candidate():
     bk.print_tables([ACT, LINEAR_DECODE, LINEAR_WIDE, MOE], "test device", print=lambda *a: lines.append(" ".join(map(str, a))))
     text = "\n".join(lines)
     assert " 16384   4096     71.30   2413      56.9   57.0          58.7        -     60.00      88.0" in text
-    assert "wgmma variant alone 22.1 us, split-K through clusters 26.2 us vs mma.sync 30.1" in text
+    assert ("wgmma variant alone 22.1 us, split-K through clusters 26.2 us, through global planes 30.1 us vs the "
+            "default 30.1") in text
     assert "64 tokens, mma, split-K through clusters: NT 1: 250.0 us" in text
+    assert "64 tokens, mma, split-K through global planes: NT 1: 270.0 us" in text
     assert "64x128 s4 w4 split 1: 25.0, 128x128 s3 w8 split 1: nan us" in text
     assert "128x256 s3 w8: 1210.0, 256x128 s3 w8 codes: nan us" in text
     wide = next(x for x in lines if x.strip().startswith("8B gate_up") and " 4096 " in x)

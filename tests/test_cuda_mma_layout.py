@@ -204,7 +204,8 @@ def test_config_depends_on_the_weight_shape_only():
             # a cluster holds the slices wherever the longest slice can: up to 128 chunks (K = 16384)
             assert cfg["CLUSTER"] == (cluster and 1 < cfg["S"] <= cuda_mma.CLUSTER_MAX_S)
             assert cfg["CLUSTER"] or not cluster or cfg["S"] == 1 or k > 16384
-    assert cuda_mma.config(4096, 12288) == dict(CPS=4, S=24, CLUSTER=False)
+    assert cuda_mma.config(4096, 12288, cluster=False) == dict(CPS=4, S=24, CLUSTER=False)
+    assert cuda_mma.config(4096, 12288) == cuda_mma.config(4096, 12288, cluster=cuda_mma.CLUSTER)  # launch's default
     assert cuda_mma.config(4096, 12288, cluster=True) == dict(CPS=12, S=8, CLUSTER=True)
     assert cuda_mma.config(24576, 4096, cluster=True) == dict(CPS=8, S=4, CLUSTER=True)    # the slice unchanged
     assert cuda_mma.config(4096, 12288, cps=4, cluster=True)["CLUSTER"] is False           # an explicit slice stays
