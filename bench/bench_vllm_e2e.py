@@ -6,14 +6,15 @@ checkpoint). Each engine runs as users run vLLM: engine core in its own process,
 vLLM defaults it (both recorded in the JSON). Each measures, per batch size B, decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) where t(n) is the wall time of `generate` for B prompts of PROMPT_LEN tokens
 and n new tokens (greedy, ignore_eos): subtracting the one-token run removes prefill and scheduling
-start-up; the median of REPEATS pairs is reported with its range. Then a per-step breakdown at batch 16
-through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `stop_profile`; it runs in
+start-up; the median of REPEATS pairs is reported with its range. Then a per-step breakdown at the
+PROFILED batches through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `stop_profile`; it runs in
 the engine core's process and writes a chrome trace there): GPU time by kernel category (ours,
 attention, BF16 GEMMs, norms and other compiled elementwise kernels, sampling), the wall time of the
 profiled runs (their difference is GPU idle time; the profiler's host overhead is in it) and the
-unprofiled wall per step at batch 16 (B / tokens/s), and from the trace's timeline the kernels per step
-and the GPU's idle time split into launch gaps (< GAP_SPLIT_US between busy spans) and waits for the
-host. Layer counts are cut (shown in the table) so the run fits one device command; lm_head and
+unprofiled wall per step (B / tokens/s), and from the trace's timeline the kernels per step and the
+GPU's idle time split into launch gaps (< GAP_SPLIT_US between busy spans) and waits for the host; on
+the host's side the CUDA graph replays, the kernels launched one by one, the torch operators, the time
+in each CUDA runtime / driver call and which GPU work each wait for the host preceded. Layer counts are cut (shown in the table) so the run fits one device command; lm_head and
 embeddings are BF16 in both engines, so fewer layers weigh the common lm_head more than the full model
 would (the ratio is then closer to 1).
 --strict adds a third engine, nvfp4_sampler in strict mode (`quantization_config.strict` and
@@ -48,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS = 32, 128
 BATCHES = (1, 16, 64)
+PROFILED = (16, 64)     # the batches whose decode steps are profiled
 FULL = (("qwen3-1.7b", 28), ("qwen3-8b", 12), ("qwen3-30b-a3b", 8))
 QUICK = (("qwen3-1.7b", 8), ("qwen3-30b-a3b", 2))
 CAPTURE = [1, 2, 4, 8, 16, 32, 64]
@@ -97,8 +99,8 @@ def profiler_config(trace_dir: str | Path) -> dict:
 def worker(model: str, quant: str, mode: str, out: str) -> None:
     """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, DYNAMO:
     nvfp4_sampler with `compilation_config.backend = "eager"`, or a KERNEL_VARIANTS engine): decode
-    tokens/s per batch size (median and spread of REPEATS) and a per-step GPU-time breakdown by kernel
-    category at batch 16, written to `out` as JSON as they come."""
+    tokens/s per batch size (median and spread of REPEATS) and per-step profiles at the PROFILED batches,
+    written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
     strict, engine_mode = {}, MODES[mode]
@@ -125,7 +127,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
               profiler_config=profiler_config(trace_dir), **strict, **engine_mode)
     result = {"start_seconds": round(time.time() - t0, 1), "vllm": vllm.__version__,
               "engine_core": "separate process", "async_scheduling": async_scheduling(llm),
-              "tokens_per_s": {}, "spread": {}}
+              "tokens_per_s": {}, "spread": {}, "profiles": {}}
 
     def run(b: int, n: int) -> float:
         prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 30000 + 10 for j in range(PROMPT_LEN)]} for i in range(b)]
@@ -142,8 +144,10 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         result["tokens_per_s"][b] = rates[REPEATS // 2]
         result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
-    result["profile"] = profile_decode(llm, run, 16, trace_dir)
-    result["profile"]["wall_us_per_step_unprofiled"] = 16 / result["tokens_per_s"][16] * 1e6
+    for b in PROFILED:
+        result["profiles"][b] = profile_decode(llm, run, b, trace_dir)
+        result["profiles"][b]["wall_us_per_step_unprofiled"] = b / result["tokens_per_s"][b] * 1e6
+        Path(out).write_text(json.dumps(result))
     Path(out).write_text(json.dumps(result))
     print(f"{quant} {Path(model).name}: {result}", flush=True)
 
@@ -158,26 +162,41 @@ GAP_SPLIT_US = 10.0     # GPU idle gaps shorter than this: launch gaps (between 
                         # back-to-back launches); longer: the GPU waiting for the host
 
 
-def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
     """One chrome trace (.json or .json.gz) written by the torch profiler: (GPU microseconds per kernel
     name, memcpy and memset included; the timeline: "kernels" (count), "idle_short_us" / "short_gaps"
-    (total and count of the gaps < GAP_SPLIT_US between busy spans, all streams merged) and
-    "idle_long_us" (the longer gaps))."""
+    (total and count of the gaps < GAP_SPLIT_US between busy spans, all streams merged), "idle_long_us"
+    (the longer gaps), and the host's side: "graph_launches" (CUDA graph replays), "kernel_launches"
+    (kernels launched one by one: runtime and driver API), "cpu_ops" (torch operators run on the host);
+    where the time went: {"host_calls": microseconds per CUDA runtime / driver call name (a blocking
+    synchronize or copy shows here), "gaps_before": microseconds of the long gaps per name of the GPU
+    work that ended them})."""
     with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
-        events = [e for e in json.load(f).get("traceEvents", [])
-                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+        trace = json.load(f).get("traceEvents", [])
+    events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     us: dict[str, float] = {}
     for e in events:
         us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
-    line = {"kernels": float(len(events)), "idle_short_us": 0.0, "short_gaps": 0.0, "idle_long_us": 0.0}
+    line = {"kernels": float(len(events)), "idle_short_us": 0.0, "short_gaps": 0.0, "idle_long_us": 0.0,
+            "graph_launches": 0.0, "kernel_launches": 0.0, "cpu_ops": 0.0}
+    where: dict[str, dict[str, float]] = {"host_calls": {}, "gaps_before": {}}
+    for e in trace:                                         # the host: what launched the kernels, what blocked
+        cat, name = e.get("cat"), e.get("name", "")
+        if cat in ("cuda_runtime", "cuda_driver"):
+            line["graph_launches"] += name.startswith(("cudaGraphLaunch", "cuGraphLaunch"))
+            line["kernel_launches"] += name.startswith(("cudaLaunchKernel", "cuLaunchKernel"))
+            where["host_calls"][name] = where["host_calls"].get(name, 0.0) + float(e.get("dur", 0.0))
+        line["cpu_ops"] += cat == "cpu_op"
     end = None
-    for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events):
+    for start, stop, name in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events):
         if end is not None and start > end:
             short = start - end < GAP_SPLIT_US
             line["idle_short_us" if short else "idle_long_us"] += start - end
             line["short_gaps"] += short
+            if not short:
+                where["gaps_before"][name] = where["gaps_before"].get(name, 0.0) + start - end
         end = stop if end is None else max(end, stop)
-    return us, line
+    return us, line, where
 
 
 def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) -> dict:
@@ -199,25 +218,28 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
             raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
         kernels: dict = {}
         line: dict = {}
+        where: dict = {"host_calls": {}, "gaps_before": {}}
         for path in traces:                                 # one per worker (rank)
-            names, timeline = trace_device(path)
-            for name, us in names.items():
-                kernels[name] = kernels.get(name, 0.0) + us
-            for key, v in timeline.items():
-                line[key] = line.get(key, 0.0) + v
+            names, timeline, places = trace_device(path)
+            for total, part in [(kernels, names), (line, timeline)] + [(where[k], places[k]) for k in where]:
+                for name, v in part.items():
+                    total[name] = total.get(name, 0.0) + v
         cats: dict = {}
         for name, us in kernels.items():
             cats[_category(name)] = cats.get(_category(name), 0.0) + us
         top = sorted(((us, name) for name, us in kernels.items()), reverse=True)
-        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]]
+        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]], where
 
-    long, line_long, wall_long, top = profiled(steps + 1)
-    short, line_short, wall_short, _ = profiled(1)
+    long, line_long, wall_long, top, where_long = profiled(steps + 1)
+    short, line_short, wall_short, _, where_short = profiled(1)
     per_step = {c: (long.get(c, 0.0) - short.get(c, 0.0)) / steps for c in set(long) | set(short)}
     wall = (wall_long - wall_short) / steps * 1e6
     timeline = {f"{key}_per_step": (line_long[key] - line_short.get(key, 0.0)) / steps for key in line_long}
+    where = {k: sorted(((round((v - where_short[k].get(n, 0.0)) / steps, 1), n[:60])
+                        for n, v in where_long[k].items()), reverse=True)[:6] for k in where_long}
     return {"batch": b, "wall_us_per_step": wall, "gpu_us_per_step": per_step,
-            "gpu_total_us_per_step": sum(per_step.values()), **timeline, "top_kernels_long_run": top}
+            "gpu_total_us_per_step": sum(per_step.values()), **timeline, "top_kernels_long_run": top,
+            "host_calls_us_per_step": where["host_calls"], "long_gaps_before_us_per_step": where["gaps_before"]}
 
 
 def main() -> None:
@@ -257,6 +279,8 @@ def main() -> None:
             proc = subprocess.run([sys.executable, __file__, "--worker", str(path), quant, args.mode, str(out)],
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {}
+            # each engine's log beside the results (vLLM's resolved CUDA graph mode, its captures, warnings)
+            Path(args.out).with_name(f"{Path(args.out).stem}.{shape}.{quant}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode:                             # what it measured before failing is kept
                 entry[quant]["error"] = proc.stderr[-3000:]
             Path(args.out).write_text(json.dumps(results, indent=1))
@@ -277,17 +301,27 @@ def main() -> None:
                                 for q in quants)
             print(f"| {shape} ({entry['layers']}) | {b} | " + " | ".join(f"{tps[q] or 0:.0f}" for q in quants)
                   + " | " + " | ".join(cells) + f" | {spread} |")
-        print(f"\nper decode step at batch 16, {shape}: GPU us by kernel category ({' / '.join(quants)})")
-        prof = {q: entry[q].get("profile", {}) for q in quants}
-        cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
-        totals = {"GPU total": "gpu_total_us_per_step",
-                  f"GPU idle in gaps < {GAP_SPLIT_US:.0f} us (launch gaps)": "idle_short_us_per_step",
-                  f"GPU idle in gaps >= {GAP_SPLIT_US:.0f} us (waiting for the host)": "idle_long_us_per_step",
-                  "kernels (count)": "kernels_per_step", "launch gaps (count)": "short_gaps_per_step",
-                  "wall (profiled)": "wall_us_per_step", "wall (unprofiled, 16 / tokens/s)": "wall_us_per_step_unprofiled"}
-        for c in cats + list(totals):
-            vals = [p.get(totals[c]) if c in totals else p.get("gpu_us_per_step", {}).get(c) for p in prof.values()]
-            print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
+        for b in PROFILED:
+            print(f"\nper decode step at batch {b}, {shape}: GPU us by kernel category ({' / '.join(quants)})")
+            prof = {q: entry[q].get("profiles", {}).get(str(b), {}) for q in quants}
+            cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
+            totals = {"GPU total": "gpu_total_us_per_step",
+                      f"GPU idle in gaps < {GAP_SPLIT_US:.0f} us (launch gaps)": "idle_short_us_per_step",
+                      f"GPU idle in gaps >= {GAP_SPLIT_US:.0f} us (waiting for the host)": "idle_long_us_per_step",
+                      "kernels (count)": "kernels_per_step", "launch gaps (count)": "short_gaps_per_step",
+                      "host: CUDA graph replays (count)": "graph_launches_per_step",
+                      "host: kernels launched one by one (count)": "kernel_launches_per_step",
+                      "host: torch operators run (count)": "cpu_ops_per_step",
+                      "wall (profiled)": "wall_us_per_step",
+                      f"wall (unprofiled, {b} / tokens/s)": "wall_us_per_step_unprofiled"}
+            for c in cats + list(totals):
+                vals = [p.get(totals[c]) if c in totals else p.get("gpu_us_per_step", {}).get(c) for p in prof.values()]
+                print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
+            for q in quants:
+                for key, what in (("host_calls_us_per_step", "CUDA calls on the host, us per step"),
+                                  ("long_gaps_before_us_per_step", "host waits, us per step, by the GPU work after")):
+                    if prof[q].get(key):
+                        print(f"  {q} {what}: " + ", ".join(f"{n} {v}" for v, n in prof[q][key]))
         for q in quants:
             if "error" in entry[q]:
                 print(f"{shape} {q} failed:\n{entry[q]['error']}")

@@ -41,10 +41,16 @@ def test_trace_timeline_splits_idle_into_launch_gaps_and_host_waits(tmp_path):
     events = [kernel("_act_quant_kernel", 0, 3), kernel("w4a16_mma", 2, 20, tid=8),   # overlapping (PDL)
               kernel("w4a16_mma", 24, 10),                                            # 2 us launch gap
               {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 134, "dur": 1},      # 100 us host wait
-              {"cat": "cpu_op", "name": "aten::mm", "ts": 40, "dur": 50}]
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 40, "dur": 50},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 4},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 30, "dur": 90},
+              {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 125, "dur": 5}]
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    us, line = e2e.trace_device(path)
+    us, line, where = e2e.trace_device(path)
     assert us == {"_act_quant_kernel": 3.0, "w4a16_mma": 30.0, "Memcpy DtoD": 1.0}
-    assert line == {"kernels": 4.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0}
+    assert line == {"kernels": 4.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0,
+                    "graph_launches": 1.0, "kernel_launches": 1.0, "cpu_ops": 1.0}
+    assert where == {"host_calls": {"cudaGraphLaunch": 4.0, "cudaStreamSynchronize": 90.0, "cuLaunchKernelEx": 5.0},
+                     "gaps_before": {"Memcpy DtoD": 100.0}}

@@ -381,27 +381,31 @@ def test_openai_streaming_matches_non_streaming(server, models):
 
 
 def test_a_push_waits_for_a_running_stream(client, server, models):
-    """A stream pins its weight version: a commit started mid-stream completes only after it."""
+    """A stream pins its weight version: a commit started mid-stream lands after it, so every token of the
+    stream is the old version's (the same text as a plain completion before the push, which the new
+    version's differs from). Checked on the text, not on client-side clocks: the push thread may stamp its
+    end before the main thread stamps the stream's (both after the server released the stream)."""
     oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    client.push(models["a"], layout="nvfp4", progress=False)            # A's weights, whatever ran before
     v, _ = lp(client)
-    raw = oa.completions.with_raw_response.create(model=str(models["a"]), prompt="Once upon a time", max_tokens=48,
-                                                  temperature=0, stream=True)
+    request = dict(model=str(models["a"]), prompt="Once upon a time", max_tokens=48, temperature=0)
+    before = oa.completions.create(**request).choices[0].text
+    raw = oa.completions.with_raw_response.create(**request, stream=True)
     stream = iter(raw.parse())
-    next(stream)                                             # the stream is running
+    pieces = [next(stream).choices[0].text]                 # the stream is running
     done = {}
 
     def push():
         with SamplerClient(server.url, token=TOKEN) as c:
             done["result"] = c.push(models["b"], layout="nvfp4", progress=False)
-        done["t"] = time.monotonic()
 
     t = threading.Thread(target=push)
     t.start()
-    rest = list(stream)
-    stream_end = time.monotonic()
+    pieces += [c.choices[0].text for c in stream]
     t.join()
-    assert int(raw.headers[WEIGHT_VERSION_HEADER]) == v and rest
-    assert done["result"].weight_version == v + 1 and done["t"] >= stream_end
+    after = oa.completions.create(**request).choices[0].text
+    assert int(raw.headers[WEIGHT_VERSION_HEADER]) == v and done["result"].weight_version == v + 1
+    assert "".join(pieces) == before != after
 
 
 def test_ipc_buckets_update_equals_fresh_engine(client, models, reference_logprobs):
