@@ -270,6 +270,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         for w in w_t]) / len(w_t)                                                 # twice; each CTA stages
                         for t in MMA_NT_SWEEP for r in (8, 16) for c in MMA_CPS_SWEEP             # its tokens' K slice
                         if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(t, c, r, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT}
+                if m == 64:                               # the wgmma variant by the same (NT = 8: one m64n64k16 per
+                    row["wgmma_nt_rw_cps_ms"] = {f"{t},{r},{c}": tried_ms(lambda t=t, r=r, c=c: [   # k16 step and
+                        cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r, cps=c, wgmma=True)   # warpgroup,
+                        for w in w_t]) / len(w_t)                         # each weight decoded once, the tokens read
+                        for t in MMA_NT_SWEEP for r in (4, 8, 16) for c in MMA_CPS_SWEEP[1:]   # from shared memory)
+                        if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(t, c, r, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT}
                 if m in (1, 16):                          # quantizer + kernel (PDL) by stages: the weight chunks a
                     def chain(st):                        # warp has in flight while the quantizer still runs
                         for w in w_t:
@@ -446,7 +452,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   + ("; linear by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_tiled_linear_stages_ms"].items())
                      if "mma_tiled_linear_stages_ms" in r else "")
                   + ("; tiled by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_nt_rw_cps_ms"].items())
-                     if "mma_nt_rw_cps_ms" in r else ""))
+                     if "mma_nt_rw_cps_ms" in r else "")
+                  + ("; wgmma by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["wgmma_nt_rw_cps_ms"].items())
+                     if "wgmma_nt_rw_cps_ms" in r else ""))
     for r in by("linear"):
         if "exact_codes_kernel_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: codes decoded in the wgmma kernel, alone (mma kernel "
