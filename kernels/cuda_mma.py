@@ -231,9 +231,11 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _wgmma_source(nt: int) -> str:
-    """CUDA `wgmma_k32` for NT token tiles (the .cu file's WGMMA variant): the two k16 steps of a word of
+    """CUDA for NT token tiles (the .cu file's WGMMA variant): `wgmma_k32`, the two k16 steps of a word of
     codes, each one warpgroup MMA m64n{8 NT}k16 (A: a[0..3], a[4..7] from registers; B: the shared-memory
-    descriptors b0, b1), completed before it returns, since the next decode rewrites the A registers."""
+    descriptors b0, b1), left in flight: it returns once the previous word's MMAs completed, so the decode
+    of the next word overlaps this one's MMAs (ptxas keeps the A registers of the group in flight; it
+    warns where it has to serialize instead); `wgmma_drain`, every MMA completed (before acc is read)."""
     n = 4 * nt
     acc = ", ".join(f"%{i}" for i in range(n))
 
@@ -247,9 +249,21 @@ def _wgmma_source(nt: int) -> str:
             "                                          unsigned long long b0, unsigned long long b1) {\n"
             f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 10}, 0;\\nwgmma.fence.sync.aligned;\\n"\n'
             f"               {mma(n, n + 8)}\n               {mma(n + 4, n + 9)}\n"
-            '               "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 0;\\n}"\n'
+            '               "wgmma.commit_group.sync.aligned;\\nwgmma.wait_group.sync.aligned 1;\\n}"\n'
             f'               : {outs}\n               : {ins}, "l"(b0), "l"(b1), "r"(1)\n'
-            '               : "memory");\n}\n')
+            '               : "memory");\n}\n'
+            "__device__ __forceinline__ void wgmma_drain(float (&acc)[NT][4]) {\n"
+            f'  asm volatile("wgmma.wait_group.sync.aligned 0;" : {outs} : : "memory");\n}}\n')
+
+
+def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
+                   cluster: bool = False) -> tuple[str, list[str]]:
+    """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
+    check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
+    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
+               f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
+               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}"]
+    return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,16 +274,13 @@ def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, 
     wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
-               f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
-               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}"]
-    source = (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *defines]).encode()).hexdigest()[:24]
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster)
+    key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
         ptx = path.read_bytes()
     else:
-        ptx, _ = _utils._nvrtc_compile(source, "w4a16_mma", cap, nvcc_options=["-std=c++17", *defines])
+        ptx, _ = _utils._nvrtc_compile(source, "w4a16_mma", cap, nvcc_options=options)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(ptx)

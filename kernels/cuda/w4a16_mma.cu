@@ -42,7 +42,9 @@
 // through a descriptor: K-major without swizzle, core matrices of 8 tokens x 16 bytes (8 k), the two
 // k-halves of a step NT * 128 bytes apart (leading byte offset), consecutive 8-token groups 128 bytes
 // apart (stride byte offset). The staging writes the permuted pairs in that layout: [chunk][word][mma
-// half][k half][token][t] (4 bytes per t), so the k order both operands share is the one above.
+// half][k half][token][t] (4 bytes per t), so the k order both operands share is the one above. A word's two
+// MMAs stay in flight while the next word decodes (`wgmma_k32` waits for the previous word's only; ptxas
+// keeps the A registers of the group in flight apart), `wgmma_drain` completes them before acc is read.
 //
 // Reduction order. Each output element is summed in a fixed order that depends on (N, K) and the
 // launch constants only, never on M or on the other tokens: k16 steps in order inside a warp, then
@@ -352,6 +354,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       rd = rd == STAGES - 1 ? 0 : rd + 1;
       wr = wr == STAGES - 1 ? 0 : wr + 1;
     }
+#if WGMMA
+    wgmma_drain(acc);                      // the last word's MMAs, in flight until here
+#endif
   }
 
   // 3. split-K: partial planes, the last CTA of the tile adds them in plane order. The epilogue's scales
