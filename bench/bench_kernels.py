@@ -55,7 +55,7 @@ MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, Mo
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
-                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8))]
+                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8), (64, 128, 4, 8))]
 EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
@@ -289,6 +289,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): tried_ms(
                             lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_q]) / len(w_q)
                         for c in cfgs}
+                    row["exact_tiled_kernel_ms"] = {                                  # the same on the engines'
+                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): tried_ms(  # layout
+                            lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_t]) / len(w_t)
+                        for c in cfgs if c["BLOCK_K"] % 128 == 0}
                 del w_t
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch
@@ -459,7 +463,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         if "exact_codes_kernel_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: codes decoded in the wgmma kernel, alone (mma kernel "
                   f"{r['mma_kernel_ms'] * 1e3:.1f} us) " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in
-                                                                     r["exact_codes_kernel_ms"].items()) + " us")
+                                                                     r["exact_codes_kernel_ms"].items()) + " us"
+                  + ("; on mma_tiled codes " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in
+                                                         r["exact_tiled_kernel_ms"].items()) + " us"
+                     if "exact_tiled_kernel_ms" in r else ""))
         if "exact_tiles_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: GEMM alone by tiles (cuBLAS {r['cublas_ms'] * 1e3:.1f} us) "
                   + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["exact_tiles_ms"].items()) + " us")

@@ -237,8 +237,11 @@ EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, 
 def _exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES: tl.constexpr, USE_ASM: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     """Rows wrow [BLOCK_N] (int64), elements [k0, k0 + BLOCK_K) of the unscaled weight as exact fp16
-    [BLOCK_N, BLOCK_K]: loaded from the fp16 copy, or (W_CODES) decoded from the codes and e4m3 scales."""
-    if W_CODES:
+    [BLOCK_N, BLOCK_K]: loaded from the fp16 copy (W_CODES 0), or decoded from the codes and e4m3 scales,
+    ModelOpt (1) or "mma_tiled" (2, `_tiled_weight_tile`)."""
+    if W_CODES == 2:
+        tile = _tiled_weight_tile(w, w_scales, wrow, cmask, k0, K, BLOCK_K)
+    elif W_CODES == 1:
         c = tl.load(w + wrow[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :], mask=cmask[:, None],
                     other=0)
         s = tl.load(w_scales + wrow[:, None] * tl.multiple_of(K // 16, 4) + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :],
@@ -251,6 +254,39 @@ def _exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES: tl.constexpr, U
 
 
 @triton.jit
+def _fp16_halves(p):
+    """uint32 pairs -> (low, high) fp16 halves."""
+    return ((p & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True),
+            (p >> 16).to(tl.uint16).to(tl.float16, bitcast=True))
+
+
+@triton.jit
+def _tiled_weight_tile(w, w_scales, wrow, cmask, k0, K, BLOCK_K: tl.constexpr):
+    """`_exact_weight_tile` of a "mma_tiled" weight (`cuda_mma.tile_weight`; k0 and BLOCK_K multiples of
+    128): a row's 64 code bytes and 8 scale bytes of a 128-element chunk lie together (unit (row tile,
+    chunk, half, g) of the tiled order), its 16 words in element order, each word's codes at
+    `cuda_mma._TILED_BITS`, turned into FP16 pairs (e3, e7), (e2, e6), (e1, e5), (e0, e4) * 2^-14 by the
+    CUDA kernel's `pairs` arithmetic, then rescaled by 2^14 and the block scale (both exact)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    j = tl.arange(0, WORDS)
+    chunk = k0 // 128 + j // 16
+    r = wrow[:, None]
+    unit = (((r // 16) * (K // 128) + chunk[None, :]) * 2 + (r % 16) // 8) * 8 + r % 8
+    x = tl.load(w.to(tl.pointer_type(tl.uint32)) + unit * 16 + (j % 16)[None, :], mask=cmask[:, None], other=0)
+    s = tl.load(w_scales + unit * 8 + ((j % 16) // 2)[None, :], mask=cmask[:, None], other=0.0).to(tl.float16)
+    mask = tl.full((), 0x8E008E00, tl.uint32)
+    l3, h3 = _fp16_halves(((x & 0x20072007) * 516) & mask)        # (e0, e4)
+    l2, h2 = _fp16_halves(((x & 0x40384038) * 66) & mask)         # (e1, e5)
+    l1, h1 = _fp16_halves((x << 3) & mask)                        # (e2, e6)
+    l0, h0 = _fp16_halves(x & mask)                               # (e3, e7)
+    # [R, WORDS, a, b, c] = element 4a + 2b + c of each word (the last join is the fastest index)
+    even = tl.join(tl.join(l3, h3), tl.join(l1, h1))
+    odd = tl.join(tl.join(l2, h2), tl.join(l0, h0))
+    vals = tl.join(even, odd) * 16384.0
+    return tl.reshape(vals * s[:, :, None, None, None], (wrow.shape[0], BLOCK_K))
+
+
+@triton.jit
 def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched, Z, M,
                        N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                        W_CODES: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -258,8 +294,8 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
     a: exact fp16 rows [M, K]. w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
-    or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16], decoded in
-    registers each K step. W_ROWS = N, or 2N with SWIGLU (gate rows, then up rows: the program also
+    or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
+    2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate rows, then up rows: the program also
     accumulates the up rows of its columns and stores silu(gate) * up, `triton_quant.swiglu`). The products
     are exact, accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first
     operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
@@ -308,12 +344,14 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
                              stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, SWIGLU, False, HAS_BIAS)
 
 
-def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 128, num_warps: int = 4,
+def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 128, num_warps: int | None = None,
                        num_stages: int = 4, min_programs: int = 264) -> dict:
     """`launch_exact`'s configuration at decode sizes (m <= 64, the Triton wgmma route): the tokens as the
     MMA's N (BLOCK_M = m rounded up to 16..64), the codes decoded in the kernel, split-K from the weight
     shape alone (doubled while the column tiles times the slices stay under `min_programs` and each
-    slice keeps >= 2 K steps), so no output's summation order depends on m."""
+    slice keeps >= 2 K steps), so no output's summation order depends on m. num_warps: 4, or 8 above 32
+    tokens (with 4 the 64-token tile spills: 255 registers, sm_90a, Triton 3.9)."""
+    num_warps = num_warps or (4 if m <= 32 else 8)
     tiles, split = triton.cdiv(n, block_n), 1
     while tiles * split < min_programs and k // (block_k * split * 2) >= 2:
         split *= 2
@@ -328,7 +366,8 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
     dtype=float16)`) against w [N, K] (dense; global_scale [] or [N]) or stacked experts w [E, N, K]
     with `schedule` ([3, Z] int32 from `triton_moe.schedule_rows`; global_scale [E] or [E, N]) into
     out [M, N] (fp32 or the activation dtype). The weights are dequantized to exact FP16 for the call (no
-    second-level scale, no cache), or with config W_CODES decoded inside the GEMM (ModelOpt layout).
+    second-level scale, no cache), or with config W_CODES decoded inside the GEMM (ModelOpt layout, or
+    "mma_tiled" for dense weights with BLOCK_K % 128 == 0).
     swiglu: w has 2N rows (gate, then up; per expert) and out = silu(gate) * up (the MoE's w13).
     config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override). use_asm: the decode's PTX
     table (GPU default) or portable arithmetic (same values; the interpreter)."""
@@ -343,8 +382,11 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
         raise ValueError(f"out has {out.shape[-1]} columns, the weight gives {n} (swiglu={swiglu})")
     if k % cfg["BLOCK_K"]:
         raise ValueError(f"the exact GEMM needs K % {cfg['BLOCK_K']} == 0, got K={k}")
-    if cfg["W_CODES"] and w.layout != "modelopt":
-        raise ValueError(f"the exact GEMM decodes ModelOpt codes in the kernel, got layout {w.layout!r}")
+    if cfg["W_CODES"]:                                 # the codes' layout: ModelOpt (1) or "mma_tiled" (2)
+        cfg["W_CODES"] = 2 if w.layout == "mma_tiled" else 1
+        if cfg["W_CODES"] == 2 and (grouped or cfg["BLOCK_K"] % 128):
+            raise ValueError(f"the exact GEMM decodes mma_tiled codes of dense weights in whole 128-element chunks, "
+                             f"got BLOCK_K={cfg['BLOCK_K']}{', grouped' if grouped else ''}")
     if grouped and cfg["SPLIT_K"] != 1:
         raise ValueError("the grouped exact GEMM runs without split-K")
     m = a.values.shape[0]

@@ -225,8 +225,8 @@ def test_linear_paths_match_reference(tk, tv, m, path):
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_exact_gemm_decoding_codes_matches_reference(tk, m):
     """The exact GEMM with the weight codes decoded inside the kernel (config W_CODES): within the
-    tolerance of `reference.linear`, the PTX decode table and the portable arithmetic bit for bit, and
-    deterministic (tiles of both default configurations and, up to 64 rows, the split-K decode one)."""
+    tolerance of `reference.linear`, the PTX decode table and the portable arithmetic bit for bit, the
+    "mma_tiled" layout's decode too (128-element K steps), and deterministic (tiles of both default configurations and, up to 64 rows, the split-K decode one)."""
     tg = tk[1]
     n, k = 640, 2048
     x = _activations(m, k, seed=m + 9)
@@ -245,6 +245,11 @@ def test_exact_gemm_decoding_codes_matches_reference(tk, m):
             outs.append(out)
         torch.testing.assert_close(outs[0].float(), want, rtol=2 ** -7, atol=1e-3)
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        if cfg["BLOCK_K"] % 128 == 0:                                   # the engines' "mma_tiled" codes
+            from nvfp4_sampler.kernels import cuda_mma
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            tg.launch_exact(a, cuda_mma.tile_weight(w), out, bias=bias, config=cfg)
+            assert torch.equal(out, outs[0]), "mma_tiled codes decoded differently from ModelOpt's"
 
 
 def test_exact_small_config_is_batch_invariant(tk):

@@ -205,6 +205,15 @@ def check_linear_exact() -> None:
         again = torch.full((m, n), float("nan"))
         triton_gemm.launch_exact(a, weight, again, bias=b, config=small)
         assert torch.equal(out, again), "exact GEMM not deterministic"
+    from nvfp4_sampler.kernels import cuda_mma                        # codes in the engines' "mma_tiled" layout:
+    tiled = cuda_mma.tile_weight(w)                                  # the same bits as ModelOpt's at equal tiles
+    for split in (1, 2):
+        cfg = dict(triton_gemm.EXACT_DENSE, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=2, W_CODES=True, SPLIT_K=split)
+        outs = []
+        for weight in (w, tiled):
+            outs.append(torch.full((m, n), float("nan")))
+            triton_gemm.launch_exact(a, weight, outs[-1], bias=bias, config=cfg)
+        assert torch.equal(outs[0], outs[1]), "mma_tiled codes decoded differently from ModelOpt's"
     got = triton_gemm.linear(x[:9], w, bias=bias, path="exact")          # the default tiles: one partial tile
     assert got.dtype == torch.bfloat16
     want = reference.nvfp4_gemm(reference.quantize_per_token(x[:9]), w, bias=bias, out_dtype=torch.float32)

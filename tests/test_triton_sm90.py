@@ -109,6 +109,23 @@ def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swigl
     assert "0 bytes spill stores" in log, log
 
 
+@pytest.mark.parametrize("m", [16, 64])
+def test_exact_gemm_on_tiled_codes_uses_wgmma_without_spills(m):
+    """The decode-size configuration (`exact_small_config`) on a dense "mma_tiled" weight (W_CODES 2), as
+    engines would launch it at M = 16-64: wgmma, no spills (8 warps for the 64-token tile)."""
+    from nvfp4_sampler.kernels import triton_gemm
+    cfg = dict(triton_gemm.exact_small_config(m, 4096, 4096), W_CODES=2)
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
+    consts.update(GROUPED=False, SWIGLU=False, HAS_BIAS=True, USE_ASM=True)
+    sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32",
+           "stride_gs_n": "i32", "bias": "*bf16", "out": "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32",
+           "Z": "i32", "M": "i32", "N": "i32", "K": "i32", **{k: "constexpr" for k in consts}}
+    ptx, log = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
+                        ("a", "a_gs", "w", "w_scales", "w_gs", "bias", "out", "sched", "N", "K"), **cfg)
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+    assert "0 bytes spill stores" in log, log
+
+
 @pytest.mark.parametrize("p_pad,e_pad", [(16, 128), (2048, 128), (4096, 256)])
 def test_schedule_kernel_compiles_without_spills(p_pad, e_pad):
     from nvfp4_sampler.kernels import triton_moe
