@@ -40,6 +40,7 @@ the router weight.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -53,6 +54,12 @@ from .format import NVFP4Tensor
 PACKED_MAX_M = 64
 GEMV_MAX_M = 4           # the dispatcher's gemv path; the kernel itself serves M <= triton_gemv.GEMV_KERNEL_MAX_M
 _MMA_DTYPES = (torch.bfloat16, torch.float16)
+# "mma_tiled" weights take the exact Triton GEMM (`exact_small_config`, codes decoded in it) instead of
+# `cuda_mma` from this many tokens to MMA_MAX_M; 0: never (the default until the H200 says otherwise: at M = 64
+# the Triton route read ModelOpt codes in 26-63 us where cuda_mma took 22-77, per 8B shape). Read at import from
+# NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark can run whole engines on it (the
+# e2e bench's --exact); not a user setting
+EXACT_MIN_M = int(os.environ.get("NVFP4_SAMPLER_EXACT_MIN_M", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -501,9 +508,11 @@ def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch
     """Which GEMM path a linear with m rows of `dtype` and weight w takes: "mma" (MMA_MIN_M <= m <=
     MMA_MAX_M, per token, w on a device where `cuda_mma` runs and of its shape contract, bf16/fp16),
     "gemv", "packed" or "bf16". A "mma_tiled" w (per token only) takes "mma" for every m <= MMA_MAX_M
-    (bf16/fp16), else "bf16"."""
+    (bf16/fp16; "exact" from EXACT_MIN_M tokens where set), else "bf16"."""
     if w is not None and w.layout == "mma_tiled":
-        return "mma" if m <= cuda_mma.MMA_MAX_M and dtype in _MMA_DTYPES else "bf16"
+        if m > cuda_mma.MMA_MAX_M or dtype not in _MMA_DTYPES:
+            return "bf16"
+        return "exact" if EXACT_MIN_M and m >= EXACT_MIN_M else "mma"
     if (cuda_mma.MMA_MIN_M <= m <= cuda_mma.MMA_MAX_M and scaling == "per_token" and w is not None
             and dtype in _MMA_DTYPES
             and w.codes.dim() == 2 and cuda_mma.shape_ok(*w.shape) and _mma_supported(w.codes.device)):
@@ -522,8 +531,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     op_order: the activation quantizer's, "vllm" (the spec) or "te".
     path forces "mma" (per token, bf16/fp16, `cuda_mma.shape_ok`), "gemv" (M <=
     triton_gemv.GEMV_KERNEL_MAX_M), "packed", "bf16" or "exact" (per token only; "exact": `launch_exact`,
-    the scales and bias fused, K % 64 == 0; a large-M candidate, forced only until measured); default
-    `linear_path`.
+    the scales and bias fused, K % 64 == 0; at M <= MMA_MAX_M with K % 128 == 0 `exact_small_config`'s
+    tiles, the codes decoded in the GEMM; forced only until measured); default `linear_path`.
     batch_invariant: the mma path keeps `cuda_mma.config`'s split-K at every M (strict mode) instead of
     `cuda_mma.throughput_options`' faster one above 16 tokens."""
     if w.codes.dim() != 2:
@@ -548,7 +557,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
             tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape)
             cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
         else:
-            launch_exact(a, w, out, bias=bias)
+            small = x2.shape[0] <= cuda_mma.MMA_MAX_M and w.shape[-1] % 128 == 0    # decode sizes: codes decoded
+            launch_exact(a, w, out, bias=bias, config=exact_small_config(x2.shape[0], *w.shape) if small else None)
     elif path == "bf16":
         out = _linear_bf16(x2, w, bias, x.dtype, amax, op_order)
     elif path == "gemv":

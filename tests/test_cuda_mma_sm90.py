@@ -1,7 +1,8 @@
-"""The CUDA decode kernel (`kernels/cuda/w4a16_mma.cu`) compiled ahead of time for sm_90 on the CPU: the
-variants `cuda_mma.prepare` loads on the H200 and the wgmma ones, through NVRTC (the pip wheel, no GPU)
-and triton's ptxas: they compile, spill nothing, and the wgmma variant keeps one word's warpgroup MMAs in
-flight while the next word decodes (ptxas would serialize them where the A registers were not safe)."""
+"""The CUDA decode kernel (`kernels/cuda/w4a16_mma.cu`) compiled ahead of time for sm_90 / sm_90a on the CPU,
+as `cuda_mma._kernel` compiles it on the H200 (`cuda_mma.compile_inputs`), through NVRTC (the test extra's
+pip wheel, no GPU) and triton's ptxas and cuobjdump: every variant the host launches compiles without
+spills on the instructions it is written for (ptxas would serialize the wgmma variant's MMAs where their
+A registers were not safe, and warn)."""
 from __future__ import annotations
 
 import ctypes
@@ -74,25 +75,43 @@ def _main_kernel_info(log: str) -> str:
     return part[:part.index("Used") + 80]
 
 
-@pytest.mark.parametrize("cluster", [False, True])
-@pytest.mark.parametrize("nt,rw", cuda_mma.VARIANTS)
-def test_mma_sync_variants_compile_without_spills(nt, rw, cluster):
-    log, sass = _compile("90", nt=nt, rw=rw, out_dtype=torch.bfloat16, tiled=True, stages=cuda_mma.STAGES,
-                         cluster=cluster)
-    info = _main_kernel_info(log)
-    assert "0 bytes spill stores, 0 bytes spill loads" in info, info
-    assert sass.count("HMMA.16816.F32") >= 8 * nt, "mma.sync m16n8k16 expected for each k16 step and token tile"
+# (nt, rw, out dtype, tiled, stages, wgmma, cluster): the variants the host launches
+_BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
+VARIANTS = [
+    (1, 4, _BF16, False, cuda_mma.STAGES, False, False), (2, 8, _BF16, True, cuda_mma.STAGES, False, False),
+    (2, 8, _FP16, False, 8, False, False), (1, 4, _BF16, True, 2, False, False), (4, 8, _BF16, False, cuda_mma.STAGES, False, False),
+    (8, 8, _BF16, True, cuda_mma.STAGES, False, False),                       # 64 tokens a CTA (tiled, as engines store)
+    (4, 16, _BF16, True, cuda_mma.STAGES, False, False),                      # `throughput_options` on wide weights
+    (1, 4, _FP32, False, cuda_mma.STAGES, False, False), (2, 8, _FP32, False, cuda_mma.STAGES, False, False),  # the grouped
+    (4, 8, _FP32, False, cuda_mma.STAGES, False, False),                      # MoE's fp32 output (NT 1, 2, 4)
+    (1, 4, _BF16, True, cuda_mma.STAGES, True, False), (2, 8, _BF16, True, cuda_mma.STAGES, True, False),  # warpgroup MMAs
+    (8, 8, _BF16, True, cuda_mma.STAGES, True, False), (4, 16, _BF16, True, cuda_mma.STAGES, True, False),
+    (1, 4, _FP32, False, cuda_mma.STAGES, True, False), (8, 4, _BF16, True, cuda_mma.STAGES, True, True),
+    (2, 8, _BF16, True, cuda_mma.STAGES, False, True), (4, 16, _BF16, True, cuda_mma.STAGES, False, True),  # split-K
+    (1, 4, _FP32, False, cuda_mma.STAGES, False, True), (2, 8, _BF16, True, cuda_mma.STAGES, True, True),  # through
+    (8, 8, _BF16, True, cuda_mma.STAGES, True, True)]                                                      # clusters
 
 
-@pytest.mark.parametrize("nt,rw", [(1, 4), (2, 8), (4, 8), (4, 16), (8, 4), (8, 8)])
-def test_wgmma_variant_overlaps_decode_with_the_mmas(nt, rw):
-    """Each word's two warpgroup MMAs stay in flight (wait until <= 1 group is pending) while the next word
-    decodes; every MMA completes before the accumulators are read; no spills, no serialization warning."""
-    log, sass = _compile("90a", nt=nt, rw=rw, out_dtype=torch.bfloat16, tiled=True, stages=cuda_mma.STAGES,
-                         wgmma=True, cluster=True)
+@pytest.mark.parametrize("nt,rw,out_dtype,tiled,stages,wgmma,cluster", VARIANTS)
+def test_compiles_for_sm90_without_spills(nt, rw, out_dtype, tiled, stages, wgmma, cluster):
+    """Every variant compiles without spills, on the MMA it is written for; the decode tiles engines launch
+    (`cuda_mma.VARIANTS` on mma.sync) keep >= 12 warps per SM by registers; clusters arrive and wait on the cluster barrier;
+    the wgmma variant keeps a word's warpgroup MMAs in flight while the next word decodes (wait until <= 1
+    group is pending; every one completed before the accumulators are read; no serialization warning)."""
+    log, sass = _compile("90a" if wgmma else "90", nt=nt, rw=rw, out_dtype=out_dtype, tiled=tiled, stages=stages,
+                         wgmma=wgmma, cluster=cluster)
     info = _main_kernel_info(log)
     assert "0 bytes spill stores, 0 bytes spill loads" in info, info
-    assert "serializ" not in log.lower(), log
-    assert sass.count(f"HGMMA.64x{8 * nt}x16.F32") >= 8, "one warpgroup MMA per k16 step"
-    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
-    assert "0x1" in waits and "0x0" in waits, waits
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    if not wgmma and (nt, rw) in cuda_mma.VARIANTS:
+        warps = 65536 // (regs * 32 * rw) * rw                              # resident by registers
+        assert warps >= 12, f"{regs} registers: {warps} warps of {rw}-warp CTAs per SM"
+    if cluster:
+        assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass
+    if wgmma:
+        assert "serializ" not in log.lower(), log
+        assert sass.count(f"HGMMA.64x{8 * nt}x16.F32") >= 8, "one warpgroup MMA per k16 step"
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+        assert "0x1" in waits and "0x0" in waits, waits
+    else:
+        assert sass.count("HMMA.16816.F32") >= 8 * nt, "mma.sync m16n8k16 for each k16 step and token tile"

@@ -201,6 +201,24 @@ def test_tiled_weights_take_mma_at_every_decode_size_and_bf16_beyond(mods):
         tg.linear(_x(3, 512, seed=1), wt, path="gemv")
 
 
+def test_tiled_weights_take_the_exact_gemm_from_exact_min_m(mods, monkeypatch):
+    """With EXACT_MIN_M set (NVFP4_SAMPLER_EXACT_MIN_M, the e2e bench's --exact engine) "mma_tiled" weights
+    take the exact Triton GEMM from that many tokens to MMA_MAX_M: within the reference's tolerance and the
+    bits of the same GEMM on the ModelOpt codes."""
+    _, tg, tq = mods
+    from nvfp4_sampler.kernels import cuda_mma
+    w = _w(640, 2048, seed=7, per_row=True)
+    wt = cuda_mma.tile_weight(w)
+    monkeypatch.setattr(tg, "EXACT_MIN_M", 33)
+    assert [tg.linear_path(m, "per_token", wt) for m in (1, 32, 33, 64, 65)] == ["mma"] * 2 + ["exact"] * 2 + ["bf16"]
+    bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
+    for m in (33, 64):
+        x = _x(m, 2048, seed=m)
+        got = tg.linear(x, wt, bias=bias)
+        assert torch.equal(got, tg.linear(x, w, bias=bias, path="exact")), "tiled and ModelOpt codes differ"
+        torch.testing.assert_close(got.float(), reference.linear(x, w, bias=bias).float(), rtol=2 ** -7, atol=1e-3)
+
+
 @pytest.mark.parametrize("n,k", [(48, 384), (640, 2048), (256, 12288)])
 def test_dequantize_tiled_equals_the_modelopt_dequantizer(mods, n, k):
     cuda_mma, tg, _ = mods
