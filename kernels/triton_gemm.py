@@ -59,7 +59,10 @@ _MMA_DTYPES = (torch.bfloat16, torch.float16)
 # the Triton route read ModelOpt codes in 26-63 us where cuda_mma took 22-77, per 8B shape). Read at import from
 # NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark can run whole engines on it (the
 # e2e bench's --exact); not a user setting
-EXACT_MIN_M = int(os.environ.get("NVFP4_SAMPLER_EXACT_MIN_M", "0"))
+_EXACT_MIN_M = os.environ.get("NVFP4_SAMPLER_EXACT_MIN_M", "0")
+if not _EXACT_MIN_M.isdigit() or int(_EXACT_MIN_M) > cuda_mma.MMA_MAX_M:
+    raise ValueError(f"NVFP4_SAMPLER_EXACT_MIN_M must be a token count 0..{cuda_mma.MMA_MAX_M}, got {_EXACT_MIN_M!r}")
+EXACT_MIN_M = int(_EXACT_MIN_M)
 
 
 @functools.lru_cache(maxsize=None)

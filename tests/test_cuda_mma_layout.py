@@ -281,3 +281,21 @@ def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
         assert res.stdout.strip() == want, res.stderr
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, **{var: "x"}))
     assert res.returncode != 0 and f"{var} must be '{values[0]}' or '{values[1]}'" in res.stderr
+
+
+def test_the_exact_gemm_switch_is_read_once_and_checked():
+    """NVFP4_SAMPLER_EXACT_MIN_M (the e2e bench's --exact engine): tiled weights take the exact Triton GEMM
+    from that many tokens to MMA_MAX_M (0: never); anything but such a count stops the import, naming it."""
+    import os
+    import sys
+    code = ("import torch; from nvfp4_sampler.kernels import cuda_mma, reference, triton_gemm as tg; "
+            "w = cuda_mma.tile_weight(reference.quantize_weight(torch.randn(32, 256).bfloat16())); "
+            "print([tg.linear_path(m, 'per_token', w) for m in (1, 32, 33, 64, 65)])")
+    for value, want in (("0", ["mma"] * 4 + ["bf16"]), ("33", ["mma"] * 2 + ["exact"] * 2 + ["bf16"])):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, NVFP4_SAMPLER_EXACT_MIN_M=value))
+        assert res.stdout.strip() == str(want), res.stderr
+    for bad in ("x", "65", "-1"):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, NVFP4_SAMPLER_EXACT_MIN_M=bad))
+        assert res.returncode != 0 and "NVFP4_SAMPLER_EXACT_MIN_M must be a token count" in res.stderr
