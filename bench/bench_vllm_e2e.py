@@ -169,7 +169,8 @@ GAP_SPLIT_US = 10.0     # GPU idle gaps shorter than this: launch gaps (between 
 
 def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
     """One chrome trace (.json or .json.gz) written by the torch profiler: (GPU microseconds per kernel
-    name, memcpy and memset included; the timeline: "kernels" (count), "idle_short_us" / "short_gaps"
+    name, memcpy and memset included; the timeline: "kernels" (count), "busy_us" (the union of their
+    spans: kernels overlapping under programmatic dependent launch count once), "idle_short_us" / "short_gaps"
     (total and count of the gaps < GAP_SPLIT_US between busy spans, all streams merged), "idle_long_us"
     (the longer gaps), and the host's side: "graph_launches" (CUDA graph replays), "kernel_launches"
     (kernels launched one by one: runtime and driver API), "cpu_ops" (torch operators run on the host);
@@ -182,7 +183,7 @@ def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[s
     us: dict[str, float] = {}
     for e in events:
         us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
-    line = {"kernels": float(len(events)), "idle_short_us": 0.0, "short_gaps": 0.0, "idle_long_us": 0.0,
+    line = {"kernels": float(len(events)), "busy_us": 0.0, "idle_short_us": 0.0, "short_gaps": 0.0, "idle_long_us": 0.0,
             "graph_launches": 0.0, "kernel_launches": 0.0, "cpu_ops": 0.0}
     where: dict[str, dict[str, float]] = {"host_calls": {}, "gaps_before": {}}
     for e in trace:                                         # the host: what launched the kernels, what blocked
@@ -200,6 +201,7 @@ def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[s
             line["short_gaps"] += short
             if not short:
                 where["gaps_before"][name] = where["gaps_before"].get(name, 0.0) + start - end
+        line["busy_us"] += stop - start if end is None else max(0.0, stop - max(start, end))
         end = stop if end is None else max(end, stop)
     return us, line, where
 
@@ -317,7 +319,8 @@ def main() -> None:
             print(f"\nper decode step at batch {b}, {shape}: GPU us by kernel category ({' / '.join(quants)})")
             prof = {q: entry[q].get("profiles", {}).get(str(b), {}) for q in quants}
             cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
-            totals = {"GPU total": "gpu_total_us_per_step",
+            totals = {"GPU total (kernel durations summed)": "gpu_total_us_per_step",
+                      "GPU busy (overlapping kernels counted once)": "busy_us_per_step",
                       f"GPU idle in gaps < {GAP_SPLIT_US:.0f} us (launch gaps)": "idle_short_us_per_step",
                       f"GPU idle in gaps >= {GAP_SPLIT_US:.0f} us (waiting for the host)": "idle_long_us_per_step",
                       "kernels (count)": "kernels_per_step", "launch gaps (count)": "short_gaps_per_step",

@@ -50,7 +50,7 @@ def test_trace_timeline_splits_idle_into_launch_gaps_and_host_waits(tmp_path):
         json.dump({"traceEvents": events}, f)
     us, line, where = e2e.trace_device(path)
     assert us == {"_act_quant_kernel": 3.0, "w4a16_mma": 30.0, "Memcpy DtoD": 1.0}
-    assert line == {"kernels": 4.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0,
+    assert line == {"kernels": 4.0, "busy_us": 33.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0,
                     "graph_launches": 1.0, "kernel_launches": 1.0, "cpu_ops": 1.0}
     assert where == {"host_calls": {"cudaGraphLaunch": 4.0, "cudaStreamSynchronize": 90.0, "cuLaunchKernelEx": 5.0},
                      "gaps_before": {"Memcpy DtoD": 100.0}}
