@@ -75,6 +75,8 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict_moe) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4 --strict
                               --out $OUT/bench_vllm_e2e_strict_moe.json" ;;
+    bench_strict_full) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --strict
+                              --out $OUT/bench_vllm_e2e_strict_full.json" ;;   # GPU-bound: strict's real cost
     bench_strict) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
                               --out $OUT/bench_vllm_e2e_strict.json" ;;
     bench_e2e_1.7b) limit=330; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28
