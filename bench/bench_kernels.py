@@ -55,7 +55,8 @@ MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, Mo
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
-                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8), (64, 128, 4, 8))]
+                     for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8),
+                                           (64, 128, 4, 8))]
 EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:

@@ -55,10 +55,11 @@ PACKED_MAX_M = 64
 GEMV_MAX_M = 4           # the dispatcher's gemv path; the kernel itself serves M <= triton_gemv.GEMV_KERNEL_MAX_M
 _MMA_DTYPES = (torch.bfloat16, torch.float16)
 # "mma_tiled" weights take the exact Triton GEMM (`exact_small_config`, codes decoded in it) instead of
-# `cuda_mma` from this many tokens to MMA_MAX_M; 0: never (the default until the H200 says otherwise: at M = 64
-# the Triton route read ModelOpt codes in 26-63 us where cuda_mma took 22-77, per 8B shape). Read at import from
-# NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark can run whole engines on it (the
-# e2e bench's --exact); not a user setting
+# `cuda_mma` from this many tokens to MMA_MAX_M; 0: never (the default until the H200 says otherwise: at
+# M = 64 on ModelOpt codes it took 26.2 / 22.4 / 63.3 / 42.5 us on the 8B qkv / o / gate_up / down shapes
+# where the engines' cuda_mma linear took 32.5 / 23.5 / 73.6 / 67.2, seventh session; tiled codes not yet
+# measured). Read at import from NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark
+# can run whole engines on it (the e2e bench's --exact); not a user setting
 _EXACT_MIN_M = os.environ.get("NVFP4_SAMPLER_EXACT_MIN_M", "0")
 if not _EXACT_MIN_M.isdigit() or int(_EXACT_MIN_M) > cuda_mma.MMA_MAX_M:
     raise ValueError(f"NVFP4_SAMPLER_EXACT_MIN_M must be a token count 0..{cuda_mma.MMA_MAX_M}, got {_EXACT_MIN_M!r}")
@@ -305,8 +306,9 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
 
     a: exact fp16 rows [M, K]. w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
     or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
-    2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate rows, then up rows: the program also
-    accumulates the up rows of its columns and stores silu(gate) * up, `triton_quant.swiglu`). The products
+    2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
+    rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
+    `triton_quant.swiglu`). The products
     are exact, accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first
     operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
     row tiles at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial
