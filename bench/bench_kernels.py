@@ -285,15 +285,14 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     row["mma_tiled_linear_stages_ms"] = {st: graph_ms(lambda st=st: chain(st)) / len(w_t)
                                                          for st in LINEAR_STAGES_SWEEP}
                 if m in (16, 32, 64):                     # the Triton wgmma route: codes decoded in registers as
-                    cfgs = [triton_gemm.exact_small_config(m, n, k, **c) for c in EXACT_SMALL_SWEEP]   # its first
-                    row["exact_codes_kernel_ms"] = {                                  # operand, tokens as its N
-                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): tried_ms(
-                            lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_q]) / len(w_q)
-                        for c in cfgs}
-                    row["exact_tiled_kernel_ms"] = {                                  # the same on the engines'
-                        "{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): tried_ms(  # layout
-                            lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_t]) / len(w_t)
-                        for c in cfgs if c["BLOCK_K"] % 128 == 0}
+                    cfgs = {"{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps} split {SPLIT_K}".format(**c): c   # its
+                            for c in (triton_gemm.exact_small_config(m, n, k, **o) for o in EXACT_SMALL_SWEEP)}   # first
+                    row["exact_codes_kernel_ms"] = {label: tried_ms(                  # operand, tokens as its N
+                        lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_q]) / len(w_q)
+                        for label, c in cfgs.items()}
+                    row["exact_tiled_kernel_ms"] = {label: tried_ms(                  # the same on the engines'
+                        lambda c=c: [triton_gemm.launch_exact(xq, w, out, config=c) for w in w_t]) / len(w_t)   # layout
+                        for label, c in cfgs.items() if c["BLOCK_K"] % 128 == 0}
                 del w_t
                 row["act_quant_ms"] = graph_ms(lambda: triton_quant.quantize_per_token_exact(x, dtype=torch.float16))
             if m <= triton_gemv.GEMV_KERNEL_MAX_M:        # gemv with the activation quantized in / before its launch

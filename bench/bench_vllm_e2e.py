@@ -240,9 +240,9 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
 
     # the one-token run before and after the long one, the faster kept: a one-off host stall in it (in the
     # 36-layer run the short run at batch 16 stalled ~60 ms) would otherwise turn the differences negative
-    before = profiled(1)
+    short_first = profiled(1)
     long, line_long, wall_long, top, where_long = profiled(steps + 1)
-    short, line_short, wall_short, _, where_short = min(before, profiled(1), key=lambda r: r[2])
+    short, line_short, wall_short, _, where_short = min(short_first, profiled(1), key=lambda r: r[2])
     per_step = {c: (long.get(c, 0.0) - short.get(c, 0.0)) / steps for c in set(long) | set(short)}
     wall = (wall_long - wall_short) / steps * 1e6
     timeline = {f"{key}_per_step": (line_long[key] - line_short.get(key, 0.0)) / steps for key in line_long}

@@ -308,9 +308,8 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
     2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
     rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
-    `triton_quant.swiglu`). The products
-    are exact, accumulated in fp32 on the tensor cores as w @ a.T (the weight tile is the MMA's first
-    operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
+    `triton_quant.swiglu`). The products are exact, accumulated in fp32 on the tensor cores as w @ a.T (the
+    weight tile is the MMA's first operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
     row tiles at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial
     planes in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`, counters:
     one per output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first row, end

@@ -11,14 +11,12 @@ import importlib.util
 import pathlib
 import re
 import subprocess
-import tempfile
 
 import pytest
 import torch
 
 from nvfp4_sampler.kernels import cuda_mma
-
-triton = pytest.importorskip("triton")
+from tests.test_triton_sm90 import _ptxas      # (skips this module where triton is missing, as there)
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +30,7 @@ def _nvrtc():
 
 
 @functools.lru_cache(maxsize=None)
-def _ptxas() -> str:
+def _ptxas_cuda13() -> str:
     """Triton's bundled ptxas of CUDA >= 13, the NVRTC wheel's PTX version."""
     bin_dir = pathlib.Path(importlib.util.find_spec("triton.backends.nvidia").submodule_search_locations[0]) / "bin"
     for name in ("ptxas-blackwell", "ptxas"):
@@ -59,14 +57,7 @@ def _compile(arch: str, **variant) -> tuple[str, str]:
     ptx = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetPTX(prog, ptx)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    with tempfile.TemporaryDirectory() as d:
-        pathlib.Path(f"{d}/k.ptx").write_bytes(ptx.value)
-        res = subprocess.run([_ptxas(), f"-arch=sm_{arch}", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr
-        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", "-fun", "w4a16_mma", f"{d}/k.cubin"],
-                              capture_output=True, text=True, check=True).stdout
-    return res.stderr, sass
+    return _ptxas(ptx.value.decode(), _ptxas_cuda13(), arch=arch, sass=True, function="w4a16_mma")
 
 
 def _main_kernel_info(log: str) -> str:

@@ -22,21 +22,26 @@ def _compile(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...], 
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    return ptx, _ptxas(ptx, get_ptxas(90).path, sass=sass)
+    log, code = _ptxas(ptx, get_ptxas(90).path, sass=sass)
+    return ptx, code if sass else log
 
 
-def _ptxas(ptx: str, ptxas: str, *, sass: bool = False) -> str:
+def _ptxas(ptx: str, ptxas: str, *, arch: str = "90a", sass: bool = False, function: str | None = None
+           ) -> tuple[str, str | None]:
+    """(ptxas -v output, the cubin's SASS if asked: of `function` only if given) of PTX for sm_{arch}
+    (also tests/test_cuda_mma_sm90.py's, for the CUDA kernel's NVRTC output)."""
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.ptx", "w") as f:
             f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], capture_output=True,
-                             text=True)
+        res = subprocess.run([ptxas, f"-arch=sm_{arch}", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
-        if sass:
-            return subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f"{d}/k.cubin"], capture_output=True,
-                                  text=True, check=True).stdout
-    return res.stderr
+        if not sass:
+            return res.stderr, None
+        only = ["-fun", function] if function else []
+        return res.stderr, subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", *only, f"{d}/k.cubin"],
+                                          capture_output=True, text=True, check=True).stdout
 
 
 def _body_ops(sass: str) -> list[str]:
