@@ -253,6 +253,11 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 for form, cluster in (("cluster", True), ("global", False)):   # both split-K forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                         xq.values, xq.global_scale, w, out, cluster=cluster, **tuned) for w in w_t]) / len(w_t)
+                # persistent CTAs (same bits, same tiles) by ring depth: their rings stream across row tiles
+                # (NaN where a depth's shared memory does not fit)
+                row["persist_stages_ms"] = {st: tried_ms(lambda st=st: [cuda_mma.launch(
+                    xq.values, xq.global_scale, w, out, persist=True, stages=st, **tuned) for w in w_t]) / len(w_t)
+                    for st in MMA_STAGES_SWEEP}
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
@@ -444,7 +449,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: wgmma variant alone {r['wgmma_tiled_kernel_ms'] * 1e3:.1f} us, "
                   f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
                   f"{r['global_tiled_kernel_ms'] * 1e3:.1f} us vs the default "
-                  f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)")
+                  f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)"
+                  + ("; persistent CTAs by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["persist_stages_ms"].items())
+                     if "persist_stages_ms" in r else ""))
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "

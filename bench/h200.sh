@@ -38,6 +38,8 @@ step() {   # step NAME: its timeout (s) and command
     # the cluster form in a step of its own: a fault there (a sticky CUDA error) leaves the others' results whole
     mma_cluster) limit=180; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_cluster.py tests/test_gpu_mma.py" ;;
+    mma_persist) limit=240; cmd="env NVFP4_SAMPLER_PERSIST=1 python3 -m pytest -q -rA -m gpu
+                              tests/test_gpu_mma_persist.py tests/test_gpu_mma.py" ;;
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
@@ -73,6 +75,8 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e_cluster.json" ;;
     bench_e2e_exact) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --exact
                               --out $OUT/bench_vllm_e2e_exact.json" ;;   # full depth, three engines (~420 s)
+    bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --persist
+                              --out $OUT/bench_vllm_e2e_persist.json" ;;   # full depth, three engines (~420 s)
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict_moe) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4 --strict

@@ -69,6 +69,15 @@ if _SPLIT_K not in ("global", "cluster"):
     raise ValueError(f"NVFP4_SAMPLER_SPLIT_K must be 'global' or 'cluster', got {_SPLIT_K!r}")
 CLUSTER = _SPLIT_K == "cluster"
 CLUSTER_MAX_S = 8         # the portable cluster size
+# Persistent CTAs (the .cu file's PERSIST, mma.sync only): about one wave of CTAs, each computing every
+# gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
+# fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
+# bits as one tile per CTA. Read at import from NVFP4_SAMPLER_PERSIST ("0", the default until the H200 has
+# measured it, or "1") like NVFP4_SAMPLER_MMA
+_PERSIST = os.environ.get("NVFP4_SAMPLER_PERSIST", "0")
+if _PERSIST not in ("0", "1"):
+    raise ValueError(f"NVFP4_SAMPLER_PERSIST must be '0' or '1', got {_PERSIST!r}")
+PERSIST = _PERSIST == "1" and not WGMMA
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -100,9 +109,9 @@ def prepare(device: torch.device) -> tuple[bool, str]:
             for nt, rw in VARIANTS:
                 for out_dtype in (torch.bfloat16, torch.float16):
                     for tiled in (False, True):
-                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster)
+                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, PERSIST)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
-                _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster)
+                _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, PERSIST)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -257,24 +266,25 @@ def _wgmma_source(nt: int) -> str:
 
 
 def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
-                   cluster: bool = False) -> tuple[str, list[str]]:
+                   cluster: bool = False, persist: bool = False) -> tuple[str, list[str]]:
     """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
     check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
-               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}"]
+               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}"]
     return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
-            wgmma: bool = False, cluster: bool = False):
+            wgmma: bool = False, cluster: bool = False, persist: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
-    wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters."""
+    wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters;
+    persist: persistent CTAs (`PERSIST`)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster)
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist)
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -288,14 +298,34 @@ def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, 
     names = ["w4a16_mma", "w4_dequant"] if tiled else ["w4a16_mma"]
     with torch.cuda.device(device_index):
         kernels = _utils._cuda_load_module(ptx, names)
-        kernels["w4a16_mma"].set_shared_memory_config(min(_smem_bytes(nt, _MAX_CPS, rw, stages), _SMEM_LIMIT))
+        smem = _smem_bytes(nt, _MAX_CPS, rw, stages, persist and cluster)
+        kernels["w4a16_mma"].set_shared_memory_config(min(smem, _SMEM_LIMIT))
     return kernels
 
 
-def _smem_bytes(nt: int, cps: int, rw: int, stages: int) -> int:
+def _smem_bytes(nt: int, cps: int, rw: int, stages: int, persist_red: bool = False) -> int:
     """Dynamic shared memory of a CTA: its activation slice, fp16 [nt * 8, cps * 128], then each warp's
-    ring of `stages` chunks."""
-    return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES
+    ring of `stages` chunks; persist_red: then the persistent cluster form's split-K partial sums, fp32
+    [rw][nt][4][32] (the one-tile form reuses the activations' space)."""
+    return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES + (rw * nt * 512 if persist_red else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_ctas(kernel, threads: int, smem: int, device_index: int) -> int:
+    """CTAs of `kernel` (threads and dynamic shared memory each) resident on the whole device at once: the
+    driver's occupancy per SM times the SMs (clusters may fit fewer: then the last tiles wait)."""
+    from torch.cuda import _utils
+    per_sm = ctypes.c_int()
+    _utils._check_cuda(_utils._get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(smem)))
+    return max(1, per_sm.value) * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_ctas(row_tiles: int, others: int, resident: int) -> int:
+    """gridDim.x of a persistent launch: row tiles spread evenly over the fewest waves of `resident` CTAs
+    (`others` = gridDim.y * gridDim.z CTAs per row position), at most one CTA per row tile."""
+    waves = -(-row_tiles * others // resident)
+    return -(-row_tiles // waves)
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,7 +355,7 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
-           cluster: bool | None = None) -> torch.Tensor:
+           cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -343,6 +373,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cluster  split-K slices added through a thread-block cluster's shared memory instead of FP32 planes in
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
+    persist  about one wave of persistent CTAs, each over several row tiles (mma.sync only; the same bits);
+          None: `PERSIST` (NVFP4_SAMPLER_PERSIST) for mma.sync launches; persist_ctas: override of their
+          number per row position (`persistent_ctas`; tests, benchmarks)
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -376,8 +409,13 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
+    persist = PERSIST and not wgmma if persist is None else persist
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
+    if wgmma and persist:
+        raise ValueError("persistent CTAs run mma.sync tiles: persist needs wgmma off")
+    if persist_ctas is not None and not persist:
+        raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
@@ -385,9 +423,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     cluster = cfg["CLUSTER"]
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma, cluster)["w4a16_mma"]
-    smem = _smem_bytes(nt, cfg["CPS"], rw, stages)
-    if cluster:                                      # the partial sums reuse the space: [rw][nt][4][32] fp32
+    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma, cluster, persist)["w4a16_mma"]
+    smem = _smem_bytes(nt, cfg["CPS"], rw, stages, persist and cluster)
+    if cluster and not persist:                      # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
@@ -396,7 +434,12 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
-    _launch(kernel, (row_ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
+    ctas = row_ctas
+    if persist:
+        ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, _resident_ctas(kernel, 32 * rw, smem, dev))
+        if not 1 <= ctas <= row_ctas:
+            raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
+    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
             cluster=cfg["S"] if cluster else 1)
     return out
 

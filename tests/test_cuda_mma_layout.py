@@ -249,6 +249,56 @@ def test_tiled_order_is_what_the_kernel_indexes():
     assert "((((size_t)(n0 >> 4) * (K >> 7) + c) * 2 + half) * 8 + g) * 4 + t" in SOURCE
 
 
+def _w_index(n0: int, g: int, t: int, half: int, c: int, k: int, tiled: bool) -> int:
+    """The kernel's w_index (both layouts; its text is checked against the source below)."""
+    if tiled:
+        return ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t
+    return (n0 + g + 8 * half) * (k >> 5) + c * 4 + t
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_persistent_stream_issues_the_chunks_each_tile_computes(tiled):
+    """PERSIST: a warp's issue side (sources stepping by CSTEP a chunk and by tjump from a tile's end to the
+    next's start, `w_index` being linear in the row) runs STAGES - 1 chunks ahead of the compute side; the
+    chunk computed at each step is the one of its tile and slice position, issued as empty exactly for rows
+    past N; `persistent_ctas` gives every row tile to one CTA. A model of the .cu file's arithmetic."""
+    assert "(size_t)(n0 + g + 8 * half) * (K >> 5) + (size_t)c * 4 + t" in SOURCE
+    assert "const size_t tjump = w_index(tstride, 0, 0, 0, 0, K) - (size_t)nc * CSTEP;" in SOURCE
+    assert "if (++ic == nc) ic = 0, qa += tjump, qb += tjump, sp += tjump, in0 += tstride;" in SOURCE
+    cstep = 64 if tiled else 4
+    for n, k, cps, rw, ctas, stages in [(48, 384, 3, 8, 1, 3), (640, 2048, 1, 8, 2, 3), (1040, 1024, 2, 4, 3, 8),
+                                        (4096, 4096, 4, 8, 7, 2), (2064, 12288, 12, 16, 1, 4)]:
+        row_tiles, chunks = -(-n // (16 * rw)), k // 128
+        for split in range(-(-chunks // cps)):
+            c0 = split * cps
+            nc = min(cps, chunks - c0)
+            for bx in range(ctas):
+                for warp, g, t in [(0, 0, 0), (rw - 1, 7, 3), (rw // 2, 3, 1)]:
+                    n0 = (bx * rw + warp) * 16
+                    tstride = 16 * rw * ctas
+                    tjump = _w_index(tstride, 0, 0, 0, 0, k, tiled) - nc * cstep
+                    qa, in0, ic, issued = _w_index(n0, g, t, 0, c0, k, tiled), n0, 0, []
+                    tiles = range(bx, row_tiles, ctas)
+                    for _ in range(len(tiles) * nc + stages - 1):
+                        issued.append((qa, in0 < n))
+                        qa += cstep
+                        ic += 1
+                        if ic == nc:
+                            ic, qa, in0 = 0, qa + tjump, in0 + tstride
+                    computed = [((rt * rw + warp) * 16, c) for rt in tiles for c in range(nc)]
+                    for (src, real), (rows, c) in zip(issued, computed):
+                        assert real == (rows < n)
+                        if real:
+                            assert src == _w_index(rows, g, t, 0, c0 + c, k, tiled), (n, k, split, bx, warp, c)
+    for row_tiles, others, resident in [(192, 4, 396), (48, 8, 396), (384, 4, 924), (5, 1, 1000), (1, 8, 3)]:
+        p = cuda_mma.persistent_ctas(row_tiles, others, resident)
+        assert 1 <= p <= row_tiles
+        assert sorted(rt for bx in range(p) for rt in range(bx, row_tiles, p)) == list(range(row_tiles))
+        waves = -(-row_tiles * others // resident)
+        assert -(-row_tiles // p) == min(waves, row_tiles)  # each CTA's tiles: the fewest waves, evenly
+    assert cuda_mma.persistent_ctas(192, 4, 396) == 96 and cuda_mma.persistent_ctas(48, 8, 396) == 48
+
+
 def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     """The MoE default path by (token, expert) pairs: the per-pair GEMVs up to PAIRED_MAX_PAIRS; above,
     the tensor-core kernels only where `mma_fits` / `exact_fits` (here, on the CPU, never: the grouped GEMM)."""

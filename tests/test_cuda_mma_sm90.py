@@ -106,3 +106,23 @@ def test_compiles_for_sm90_without_spills(nt, rw, out_dtype, tiled, stages, wgmm
         assert "0x1" in waits and "0x0" in waits, waits
     else:
         assert sass.count("HMMA.16816.F32") >= 8 * nt, "mma.sync m16n8k16 for each k16 step and token tile"
+
+
+def _resident_warps(log: str, rw: int) -> int:
+    regs = int(re.search(r"Used (\d+) registers", _main_kernel_info(log)).group(1))
+    return 65536 // (regs * 32 * rw) * rw
+
+
+@pytest.mark.parametrize("nt,rw", cuda_mma.VARIANTS)
+@pytest.mark.parametrize("cluster", [False, True])
+def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw, cluster):
+    """The persistent form (PERSIST) of the decode tiles engines launch, tiled bf16 and the MoE's fp32: no
+    spills, and as many resident warps per SM by registers as the one-tile form (the tile loop keeps no
+    epilogue values live through the main loop: `asm volatile("" : "+r"(m0), "+r"(m_end))`)."""
+    for out_dtype, tiled in ((_BF16, True), (_FP32, False)):
+        variant = dict(nt=nt, rw=rw, out_dtype=out_dtype, tiled=tiled, stages=cuda_mma.STAGES, cluster=cluster)
+        log, sass = _compile("90", **variant, persist=True)
+        assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
+        assert _resident_warps(log, rw) >= _resident_warps(_compile("90", **variant)[0], rw)
+        assert sass.count("HMMA.16816.F32") >= 8 * nt
+        assert ("UCGABAR_ARV" in sass) == cluster

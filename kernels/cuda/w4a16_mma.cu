@@ -12,6 +12,10 @@
 //             needs RW % 4 == 0 and `wgmma_k32`, which the host generates for NT (`cuda_mma._wgmma_source`)
 //   CLUSTER   1: launched as clusters of the S split-K CTAs of a tile (1 x S x 1, S <= 8), which add their
 //             partial sums through distributed shared memory instead of FP32 planes in global memory
+//   PERSIST   1: a CTA computes row tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches about one
+//             wave of CTAs): its activations are staged once, and each warp's ring streams the chunks of its
+//             next tile while the current one is reduced and stored, so the weight stream does not drain
+//             between tiles; 0: gridDim.x is the number of row tiles (one each). Same bits either way.
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
@@ -65,6 +69,12 @@ typedef unsigned long long u64;
 #endif
 #ifndef CLUSTER
 #define CLUSTER 0
+#endif
+#ifndef PERSIST
+#define PERSIST 0
+#endif
+#if PERSIST && WGMMA
+#error "PERSIST runs mma.sync tiles"
 #endif
 
 // Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
@@ -297,8 +307,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     w_scales += e * N * (K >> 5);
     w_gs += e * w_gs_expert_stride;
   }
-  const int n0 = (blockIdx.x * RW + warp) * 16;
-  const bool rows_ok = n0 < N;
+  int n0 = (blockIdx.x * RW + warp) * 16;    // PERSIST: the rows of the CTA's first tile, then of each next one
+  bool rows_ok = n0 < N;
 
   // 1. the first chunks of weights in flight, then the CTA's activations staged in shared memory,
   //    permuted into the weight's pair order. Each lane's sources at chunk c0 (codes of rows g and g + 8,
@@ -310,12 +320,29 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   const uint4* ring = xs + NT * 8 * cps * 16 + warp * STAGES * SLOT;
   const u32 ring_s = smem_addr(ring);
   // WGMMA: every warp of a warpgroup takes part in its MMAs, so warps past N run the loop on empty slots
-  // (their accumulators are never stored); otherwise they skip it
-  const bool loop = WGMMA || rows_ok;
+  // (their accumulators are never stored); PERSIST: every warp streams every tile's chunk count, so that
+  // the rings stay in step; otherwise they skip it
+  const bool loop = WGMMA || PERSIST || rows_ok;
+#if PERSIST
+  // The issue side runs STAGES - 1 chunks ahead of the compute side, past a tile's last chunk into the
+  // CTA's next tile (rows in0, chunk ic of the slice); tiles past the last have in0 >= N and issue empty
+  // groups. w_index is linear in the row: the sources move by tjump from a tile's end to the next's start.
+  const int row_tiles = (N + 16 * RW - 1) / (16 * RW), tstride = 16 * RW * gridDim.x;
+  const size_t tjump = w_index(tstride, 0, 0, 0, 0, K) - (size_t)nc * CSTEP;
+  int in0 = n0, ic = 0;
+  auto issue = [&](int slot) {
+    issue_chunk(ring_s + slot * SLOT * 16, lane, qa, qb, sp, in0 < N);
+    qa += CSTEP, qb += CSTEP, sp += CSTEP;
+    if (++ic == nc) ic = 0, qa += tjump, qb += tjump, sp += tjump, in0 += tstride;
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+#else
   if (loop)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i, qa += CSTEP, qb += CSTEP, sp += CSTEP)
       issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, rows_ok && i < nc);
+#endif
   // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
@@ -337,17 +364,37 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
   __syncthreads();
 
-  // 2. decode and multiply each chunk while the next ones load
+  const u32 xs_s = smem_addr(xs);
+  int rd = 0, wr = STAGES - 1;             // the slots chunk c is read from and chunk c + STAGES - 1 lands in
   float acc[NT][4];
+#if PERSIST
+  // the split-K partial sums (CLUSTER) in a space of their own after the rings (the activations stay, the
+  // rings hold the next tile's chunks)
+  float* red_tiles = reinterpret_cast<float*>(xs + NT * 8 * cps * 16 + RW * STAGES * SLOT);
+  for (int rt = blockIdx.x; rt < row_tiles; rt += gridDim.x, n0 += tstride) {
+    rows_ok = n0 < N;
+    bool store = true;                     // whether this CTA finishes the tile's rows (split-K)
+    // the token rows made opaque per tile (no instruction): otherwise the compiler keeps the epilogue's row
+    // offsets and scales, invariant across tiles, live through the main loop (+12 to +40 registers)
+    asm volatile("" : "+r"(m0), "+r"(m_end));
+#endif
+
+  // 2. decode and multiply each chunk while the next ones load
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   if (loop) {
-    const u32 xs_s = smem_addr(xs);
-    int rd = 0, wr = STAGES - 1;           // the slots chunk c is read from and chunk c + STAGES - 1 lands in
+#if PERSIST
+    for (int c = 0; c < nc; ++c) {
+#else
     for (int c = 0; c < nc; ++c, qa += CSTEP, qb += CSTEP, sp += CSTEP) {
+#endif
       cp_async_wait<STAGES - 2>();         // chunk c has landed when at most STAGES - 2 groups are pending; the
       __syncwarp();                        // syncwarp also retires every lane's reads of the slot issued next
+#if PERSIST
+      issue(wr);
+#else
       issue_chunk(ring_s + wr * SLOT * 16, lane, qa, qb, sp, rows_ok && c + STAGES - 1 < nc);
+#endif
       const uint4* slot = ring + rd * SLOT;
       const u16* sc = reinterpret_cast<const u16*>(slot + 64);
       compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, xs_s, c, g, t);
@@ -370,11 +417,15 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
 #if CLUSTER
   // 3'. split-K through the cluster: partials [warp][j][v][lane] into this CTA's shared memory (the
-  //     activations' and rings' space, free once every warp is past its last MMA), then the CTA of
-  //     rank warp % S adds the S CTAs' partials of warp's rows in rank order and finishes them
+  //     activations' and rings' space, free once every warp is past its last MMA; PERSIST: red_tiles), then
+  //     the CTA of rank warp % S adds the S CTAs' partials of warp's rows in rank order and finishes them
   if (S > 1) {
+#if PERSIST
+    float* red = red_tiles + warp * NT * 4 * 32 + lane;
+#else
     __syncthreads();
     float* red = reinterpret_cast<float*>(xs) + warp * NT * 4 * 32 + lane;
+#endif
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -387,14 +438,30 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[j][v] = 0.f;
+#if PERSIST
+      // two token tiles a round (the issue side's registers stay live here: 16 loads in flight took 94
+      // registers at NT = 4, RW = 8, a CTA fewer per SM); each element still adds ranks 0..S-1 in order
+#pragma unroll
+      for (int j0 = 0; j0 < NT; j0 += 2)
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+          for (int j = j0; j < j0 + 2 && j < NT; ++j)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[j][v] = __fadd_rn(acc[j][v], ld_cluster(red_s + (j * 4 + v) * 128, s));
+#else
       for (int s = 0; s < S; ++s)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int v = 0; v < 4; ++v) acc[j][v] = __fadd_rn(acc[j][v], ld_cluster(red_s + (j * 4 + v) * 128, s));
+#endif
     }
-    cluster_sync();                      // no CTA exits while another still reads its shared memory
+    cluster_sync();                      // no CTA exits, or writes the space again, while another still reads it
+#if PERSIST
+    store = mine;
+#else
     if (!mine) return;
+#endif
   }
 #else
   if (S > 1) {
@@ -410,12 +477,22 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
+#if PERSIST
+      int* ticket = tickets + blockIdx.z * row_tiles + rt;
+#else
       int* ticket = tickets + blockIdx.z * gridDim.x + blockIdx.x;
+#endif
       last = atomicAdd(ticket, 1) == S - 1;
       if (last) *ticket = 0;
     }
     __syncthreads();
+#if PERSIST
+    store = last;
+    if (store) {
+#else
     if (!last) return;
+    {                                    // the last CTA of the tile
+#endif
     __threadfence();
     if (rows_ok) {
       // every element's planes are added in plane order from 0.f (the bits do not depend on the
@@ -434,11 +511,16 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
             if (m < m_end) acc[j][v] = __fadd_rn(acc[j][v], __ldcg(partials + ((size_t)s * M + m) * N + n));
           }
     }
+    }
   }
 #endif
 
   // 4. epilogue: ((acc * 2^14) * S_dec_a) * S_dec_w + bias, rounded once
+#if PERSIST
+  if (rows_ok && store)
+#else
   if (!rows_ok) return;
+#endif
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -455,6 +537,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
       }
     }
+#if PERSIST
+  }
+#endif
 }
 
 #if TILED
