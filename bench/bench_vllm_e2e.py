@@ -29,8 +29,8 @@ configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost aga
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --cluster with its split-K through thread-block
 clusters (NVFP4_SAMPLER_SPLIT_K=cluster), --exact with the exact Triton GEMM on the tiled codes at 33-64
-tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --persist with persistent CTAs (NVFP4_SAMPLER_PERSIST=1): the
-kernel choice measured end to end.
+tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --persist with persistent CTAs and the L2 prefetch of weight
+slices (NVFP4_SAMPLER_PERSIST=1, NVFP4_SAMPLER_PREFETCH=1): the kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
                                     [--dynamo] [--wgmma] [--cluster] [--exact] [--persist] [--out FILE.json]
@@ -82,11 +82,11 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
-# nvfp4_sampler on a kernel variant (--wgmma, --cluster, --exact, --persist): the environment variable its processes get
-# (read by kernels.cuda_mma at import, in the engine core too)
-KERNEL_VARIANTS = {"nvfp4_wgmma": ("NVFP4_SAMPLER_MMA", "wgmma"), "nvfp4_cluster": ("NVFP4_SAMPLER_SPLIT_K", "cluster"),
-                   "nvfp4_exact": ("NVFP4_SAMPLER_EXACT_MIN_M", "33"),     # the Triton exact GEMM at 33-64 tokens
-                   "nvfp4_persist": ("NVFP4_SAMPLER_PERSIST", "1")}        # cuda_mma's persistent CTAs
+# nvfp4_sampler on a kernel variant (--wgmma, --cluster, --exact, --persist): the environment its processes get
+# (read by kernels.cuda_mma and triton_gemm at import, in the engine core too)
+KERNEL_VARIANTS = {"nvfp4_wgmma": {"NVFP4_SAMPLER_MMA": "wgmma"}, "nvfp4_cluster": {"NVFP4_SAMPLER_SPLIT_K": "cluster"},
+                   "nvfp4_exact": {"NVFP4_SAMPLER_EXACT_MIN_M": "33"},    # the Triton exact GEMM at 33-64 tokens
+                   "nvfp4_persist": {"NVFP4_SAMPLER_PERSIST": "1", "NVFP4_SAMPLER_PREFETCH": "1"}}   # cuda_mma's
 
 
 def _category(name: str) -> str:
@@ -116,8 +116,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         engine_mode = {**engine_mode, "compilation_config": {**engine_mode.get("compilation_config", {}),
                                                              "backend": "eager"}}
     if quant in KERNEL_VARIANTS:
-        var, value = KERNEL_VARIANTS[quant]
-        os.environ[var] = value
+        os.environ.update(KERNEL_VARIANTS[quant])
         quant = "nvfp4_sampler"
     if quant == STRICT:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
@@ -268,7 +267,7 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true",
                     help="also nvfp4_sampler with the Triton exact GEMM at 33-64 tokens (one more engine)")
     ap.add_argument("--persist", action="store_true",
-                    help="also nvfp4_sampler with cuda_mma's persistent CTAs (one more engine)")
+                    help="also nvfp4_sampler with cuda_mma's persistent CTAs and L2 prefetch (one more engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -78,6 +78,13 @@ _PERSIST = os.environ.get("NVFP4_SAMPLER_PERSIST", "0")
 if _PERSIST not in ("0", "1"):
     raise ValueError(f"NVFP4_SAMPLER_PERSIST must be '0' or '1', got {_PERSIST!r}")
 PERSIST = _PERSIST == "1" and not WGMMA
+# L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
+# overlap the first ones'; same bits. Read at import from NVFP4_SAMPLER_PREFETCH ("0", the default until measured,
+# or "1")
+_PREFETCH = os.environ.get("NVFP4_SAMPLER_PREFETCH", "0")
+if _PREFETCH not in ("0", "1"):
+    raise ValueError(f"NVFP4_SAMPLER_PREFETCH must be '0' or '1', got {_PREFETCH!r}")
+PREFETCH = _PREFETCH == "1"
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -109,7 +116,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
             for nt, rw in VARIANTS:
                 for out_dtype in (torch.bfloat16, torch.float16):
                     for tiled in (False, True):
-                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, PERSIST)
+                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, PERSIST, PREFETCH and tiled)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, PERSIST)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
@@ -266,25 +273,26 @@ def _wgmma_source(nt: int) -> str:
 
 
 def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
-                   cluster: bool = False, persist: bool = False) -> tuple[str, list[str]]:
+                   cluster: bool = False, persist: bool = False, prefetch: bool = False) -> tuple[str, list[str]]:
     """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
     check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
-               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}"]
+               f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}",
+               f"-DPREFETCH={int(prefetch)}"]
     return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
-            wgmma: bool = False, cluster: bool = False, persist: bool = False):
+            wgmma: bool = False, cluster: bool = False, persist: bool = False, prefetch: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
     wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters;
-    persist: persistent CTAs (`PERSIST`)."""
+    persist: persistent CTAs (`PERSIST`); prefetch: L2 prefetch of the slices (`PREFETCH`, tiled only)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist)
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch)
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -355,7 +363,8 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *,
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
-           cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None) -> torch.Tensor:
+           cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None,
+           prefetch: bool | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -376,6 +385,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     persist  about one wave of persistent CTAs, each over several row tiles (mma.sync only; the same bits);
           None: `PERSIST` (NVFP4_SAMPLER_PERSIST) for mma.sync launches; persist_ctas: override of their
           number per row position (`persistent_ctas`; tests, benchmarks)
+    prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
+          `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -416,6 +427,10 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError("persistent CTAs run mma.sync tiles: persist needs wgmma off")
     if persist_ctas is not None and not persist:
         raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
+    tiled = w.layout == "mma_tiled"
+    prefetch = PREFETCH and tiled if prefetch is None else prefetch
+    if prefetch and not tiled:
+        raise ValueError("the L2 prefetch reads the tiled layout's slices: prefetch needs a mma_tiled weight")
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     tickets = _tickets(dev)
@@ -423,7 +438,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     cluster = cfg["CLUSTER"]
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, w.layout == "mma_tiled", stages, dev, wgmma, cluster, persist)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages, persist and cluster)
     if cluster and not persist:                      # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)
@@ -453,7 +468,8 @@ def dequantize(w: NVFP4Tensor) -> torch.Tensor:
     out = torch.empty((n, k), dtype=torch.bfloat16, device=w.codes.device)
     dev = w.codes.device.index if w.codes.device.index is not None else torch.cuda.current_device()
     units = n * k // 32
-    kernel = _kernel(*TILES[0][1:], torch.bfloat16, True, STAGES, dev, WGMMA)["w4_dequant"]   # loaded by `prepare`
+    # the module `prepare` loaded (the dequantizer beside the GEMM is the same in every variant)
+    kernel = _kernel(*TILES[0][1:], torch.bfloat16, True, STAGES, dev, WGMMA, False, PERSIST, PREFETCH)["w4_dequant"]
     _launch(kernel, (-(-units // 256), 1, 1), 256, 0, w.codes.device,
             [_ptr(w.codes), _ptr(w.block_scales), _ptr(out), ctypes.c_int(n), ctypes.c_int(k)], pdl=False)
     return out

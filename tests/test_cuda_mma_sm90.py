@@ -118,7 +118,9 @@ def _resident_warps(log: str, rw: int) -> int:
 def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw, cluster):
     """The persistent form (PERSIST) of the decode tiles engines launch, tiled bf16 and the MoE's fp32: no
     spills, and as many resident warps per SM by registers as the one-tile form (the tile loop keeps no
-    epilogue values live through the main loop: `asm volatile("" : "+r"(m0), "+r"(m_end))`)."""
+    epilogue values live through the main loop: `asm volatile("" : "+r"(m0), "+r"(m_end))`). With the L2
+    prefetch (PREFETCH, tiled): bulk prefetches (one per slice at the start, persistent: one per next tile
+    too), no spills, >= 12 resident warps."""
     for out_dtype, tiled in ((_BF16, True), (_FP32, False)):
         variant = dict(nt=nt, rw=rw, out_dtype=out_dtype, tiled=tiled, stages=cuda_mma.STAGES, cluster=cluster)
         log, sass = _compile("90", **variant, persist=True)
@@ -126,3 +128,9 @@ def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw,
         assert _resident_warps(log, rw) >= _resident_warps(_compile("90", **variant)[0], rw)
         assert sass.count("HMMA.16816.F32") >= 8 * nt
         assert ("UCGABAR_ARV" in sass) == cluster
+    for persist in (False, True):
+        log, sass = _compile("90", nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, cluster=cluster,
+                             persist=persist, prefetch=True)
+        assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
+        assert _resident_warps(log, rw) >= 12
+        assert len(re.findall(r"\bUBLKPF\.L2\b", sass)) == (4 if persist else 2)      # codes and scales

@@ -1,7 +1,8 @@
-"""`cuda_mma`'s persistent CTAs on the H200 (`bash bench/h200.sh mma_persist`, which also runs
-tests/test_gpu_mma.py with every launch persistent): a CTA over several row tiles, its weight rings
-streaming across them, gives the one-tile launch's bits. A step of its own, so that a fault (or a cluster
-barrier that never completes) cannot cost the other kernel tests their results."""
+"""`cuda_mma`'s persistent CTAs and L2 prefetch on the H200 (`bash bench/h200.sh mma_persist`, which also runs
+tests/test_gpu_mma.py with every launch persistent and prefetching): a CTA over several row tiles, its weight
+rings streaming across them, and a warp prefetching its slice into L2 give the one-tile launch's bits. A step
+of its own, so that a fault (or a cluster barrier that never completes) cannot cost the other kernel tests
+their results."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,23 @@ def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, til
 
 
 @pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("persist", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_l2_prefetch_gives_the_same_bits(mods, m, persist):
+    """`launch(prefetch=True)` (tiled weights): each warp's slice prefetched into L2 first (persistent: each
+    next tile's too) changes no bit; 1-chunk slices (nothing left to prefetch) and long ones."""
+    cuda_mma, _, tq = mods
+    for n, k, cps in ((640, 2048, 1), (2064, 12288, None), (4096, 4096, 16)):
+        x, w = _x(m, k, seed=m + 3), cuda_mma.tile_weight(_w(n, k, seed=n + 5, per_row=False))
+        a = tq.quantize_per_token_exact(x, dtype=torch.float16)
+        outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        for out, prefetch in zip(outs, (False, True)):
+            cuda_mma.launch(a.values, a.global_scale, w, out, cps=cps, persist=persist, prefetch=prefetch)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[1], outs[0]), (n, k, cps)
+
+
+@pytest.mark.parametrize("cluster", [False, True])
 def test_persistent_ctas_grouped(mods, cluster):
     """The grouped (MoE) launch persistent: the one-tile launch's bits, empty expert tiles skipped."""
     cuda_mma, _, tq = mods
@@ -55,11 +73,13 @@ def test_persistent_ctas_grouped(mods, cluster):
         assert torch.equal(run(cluster=cluster, persist=True, persist_ctas=ctas), want), f"persist_ctas={ctas}"
 
 
-def test_persist_is_refused_with_wgmma(mods):
-    """The persistent form runs mma.sync tiles; persist_ctas needs persist."""
+def test_bad_launch_forms_are_refused(mods):
+    """The persistent form runs mma.sync tiles; persist_ctas needs persist and at most the row tiles; the L2
+    prefetch needs the tiled layout."""
     cuda_mma, _, tq = mods
     a = tq.quantize_per_token_exact(_x(16, 1024, seed=1), dtype=torch.float16)
-    w = cuda_mma.tile_weight(_w(256, 1024, seed=2, per_row=False))
+    w_modelopt = _w(256, 1024, seed=2, per_row=False)
+    w = cuda_mma.tile_weight(w_modelopt)
     out = torch.empty(16, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="mma.sync"):
         cuda_mma.launch(a.values, a.global_scale, w, out, persist=True, wgmma=True)
@@ -67,3 +87,5 @@ def test_persist_is_refused_with_wgmma(mods):
         cuda_mma.launch(a.values, a.global_scale, w, out, persist=False, persist_ctas=2)
     with pytest.raises(ValueError, match="persist_ctas must be"):
         cuda_mma.launch(a.values, a.global_scale, w, out, persist=True, persist_ctas=99)
+    with pytest.raises(ValueError, match="prefetch needs a mma_tiled weight"):
+        cuda_mma.launch(a.values, a.global_scale, w_modelopt, out, prefetch=True)

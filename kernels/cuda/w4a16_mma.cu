@@ -16,6 +16,10 @@
 //             wave of CTAs): its activations are staged once, and each warp's ring streams the chunks of its
 //             next tile while the current one is reduced and stored, so the weight stream does not drain
 //             between tiles; 0: gridDim.x is the number of row tiles (one each). Same bits either way.
+//   PREFETCH  1 (TILED): each warp prefetches the rest of its slice into L2 when it starts (PERSIST: each next
+//             tile's slice when a tile starts), one bulk prefetch for the codes and one for the block scales,
+//             so the DRAM round trips of a slice's later chunks overlap its first ones' (no registers, no
+//             shared memory)
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
@@ -75,6 +79,12 @@ typedef unsigned long long u64;
 #endif
 #if PERSIST && WGMMA
 #error "PERSIST runs mma.sync tiles"
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#if PREFETCH && !TILED
+#error "PREFETCH reads the tiled layout's contiguous slices"
 #endif
 
 // Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
@@ -225,6 +235,16 @@ __device__ __forceinline__ size_t w_index(int n0, int g, int t, int half, int c,
 #endif
 }
 
+#if PREFETCH
+// Chunks [c, c + n) of the 16-row tile at row n0 (tiled layout: contiguous, 1024 code bytes and 128 scale bytes a
+// chunk) into L2, by one thread.
+__device__ __forceinline__ void prefetch_l2(const uint4* codes, const u16* scales, int n0, int c, int n, int K) {
+  const size_t i = w_index(n0, 0, 0, 0, c, K);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(codes + i), "r"(n * 1024) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(scales + i), "r"(n * 128) : "memory");
+}
+#endif
+
 #if WGMMA
 // The descriptor of one k16 step's B tile at shared address `addr` (K-major, no swizzle; the header's WGMMA).
 __device__ __forceinline__ u64 b_desc(u32 addr) {
@@ -343,6 +363,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     for (int i = 0; i < STAGES - 1; ++i, qa += CSTEP, qb += CSTEP, sp += CSTEP)
       issue_chunk(ring_s + i * SLOT * 16, lane, qa, qb, sp, rows_ok && i < nc);
 #endif
+#if PREFETCH
+  if (lane == 0 && rows_ok && nc > STAGES - 1) prefetch_l2(w_codes, w_scales, n0, c0 + STAGES - 1, nc - STAGES + 1, K);
+#endif
   // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
   for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
@@ -377,6 +400,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
     // the token rows made opaque per tile (no instruction): otherwise the compiler keeps the epilogue's row
     // offsets and scales, invariant across tiles, live through the main loop (+12 to +40 registers)
     asm volatile("" : "+r"(m0), "+r"(m_end));
+#if PREFETCH
+    if (lane == 0 && n0 + tstride < N) prefetch_l2(w_codes, w_scales, n0 + tstride, c0, nc, K);   // the next tile's
+#endif
 #endif
 
   // 2. decode and multiply each chunk while the next ones load
