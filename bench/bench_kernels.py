@@ -261,6 +261,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["prefetch_ms"] = {form: tried_ms(lambda persist=persist: [cuda_mma.launch(   # slices into L2 first
                     xq.values, xq.global_scale, w, out, persist=persist, prefetch=True, **tuned) for w in w_t]) / len(w_t)
                     for form, persist in (("one-tile", False), ("persistent", True))}
+                if m == 64:                               # persistent, by token tiles x warps (NT = 8: each weight
+                    row["persist_nt_rw_ms"] = {f"{t},{r}": tried_ms(lambda t=t, r=r: [cuda_mma.launch(   # decoded once)
+                        xq.values, xq.global_scale, w, out, nt=t, rw=r, cps=tuned.get("cps"), persist=True, prefetch=True)
+                        for w in w_t]) / len(w_t) for t, r in ((4, 8), (4, 16), (8, 4), (8, 8))}
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
@@ -456,7 +460,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   + ("; persistent CTAs by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["persist_stages_ms"].items())
                      if "persist_stages_ms" in r else "")
                   + ("; with the L2 prefetch " + ", ".join(f"{f}: {ms * 1e3:.1f}" for f, ms in r["prefetch_ms"].items())
-                     if "prefetch_ms" in r else ""))
+                     if "prefetch_ms" in r else "")
+                  + ("; persistent + prefetch by nt,rw " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["persist_nt_rw_ms"].items())
+                     if "persist_nt_rw_ms" in r else ""))
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
