@@ -348,8 +348,8 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["sweep_best_cfg"] = best["cfg"]
                 row["sweep_best_speedup_vs_cublas"] = cublas / best["ms"]
             log("linear", row)
-        del w_bf, w_q, peers
-        torch.cuda.empty_cache()
+        w_bf = w_q = peers = None                   # freed before the next shape's copies (not `del`: the loop's
+        torch.cuda.empty_cache()                    # lambdas close over these names)
 
 
 def bf16_grouped_moe(x, w13_t, w2_t, topk_w, topk_ids):
