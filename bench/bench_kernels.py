@@ -261,10 +261,13 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["prefetch_ms"] = {form: tried_ms(lambda persist=persist: [cuda_mma.launch(   # slices into L2 first
                     xq.values, xq.global_scale, w, out, persist=persist, prefetch=True, **tuned) for w in w_t]) / len(w_t)
                     for form, persist in (("one-tile", False), ("persistent", True))}
-                if m == 64:                               # persistent, by token tiles x warps (NT = 8: each weight
-                    row["persist_nt_rw_ms"] = {f"{t},{r}": tried_ms(lambda t=t, r=r: [cuda_mma.launch(   # decoded once)
-                        xq.values, xq.global_scale, w, out, nt=t, rw=r, cps=tuned.get("cps"), persist=True, prefetch=True)
-                        for w in w_t]) / len(w_t) for t, r in ((4, 8), (4, 16), (8, 4), (8, 8))}
+                if m == 64:                               # persistent + prefetch by MMA x token tiles x warps (NT = 8:
+                    row["persist_nt_rw_ms"] = {f"{'wgmma' if g else 'mma'} {t},{r}": tried_ms(   # each weight decoded once)
+                        lambda t=t, r=r, g=g: [cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r, wgmma=g,
+                                                               cps=tuned.get("cps"), persist=True, prefetch=True)
+                                               for w in w_t]) / len(w_t)
+                        for g, t, r in ((False, 4, 8), (False, 4, 16), (False, 8, 4), (False, 8, 8), (True, 4, 16),
+                                        (True, 8, 4), (True, 8, 8))}
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)

@@ -69,7 +69,7 @@ if _SPLIT_K not in ("global", "cluster"):
     raise ValueError(f"NVFP4_SAMPLER_SPLIT_K must be 'global' or 'cluster', got {_SPLIT_K!r}")
 CLUSTER = _SPLIT_K == "cluster"
 CLUSTER_MAX_S = 8         # the portable cluster size
-# Persistent CTAs (the .cu file's PERSIST, mma.sync only): about one wave of CTAs, each computing every
+# Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
 # bits as one tile per CTA. Read at import from NVFP4_SAMPLER_PERSIST ("0", the default until the H200 has
@@ -77,7 +77,7 @@ CLUSTER_MAX_S = 8         # the portable cluster size
 _PERSIST = os.environ.get("NVFP4_SAMPLER_PERSIST", "0")
 if _PERSIST not in ("0", "1"):
     raise ValueError(f"NVFP4_SAMPLER_PERSIST must be '0' or '1', got {_PERSIST!r}")
-PERSIST = _PERSIST == "1" and not WGMMA
+PERSIST = _PERSIST == "1"
 # L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
 # overlap the first ones'; same bits. Read at import from NVFP4_SAMPLER_PREFETCH ("0", the default until measured,
 # or "1")
@@ -382,9 +382,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cluster  split-K slices added through a thread-block cluster's shared memory instead of FP32 planes in
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
-    persist  about one wave of persistent CTAs, each over several row tiles (mma.sync only; the same bits);
-          None: `PERSIST` (NVFP4_SAMPLER_PERSIST) for mma.sync launches; persist_ctas: override of their
-          number per row position (`persistent_ctas`; tests, benchmarks)
+    persist  about one wave of persistent CTAs, each over several row tiles (the same bits); None: `PERSIST`
+          (NVFP4_SAMPLER_PERSIST); persist_ctas: override of their number per row position
+          (`persistent_ctas`; tests, benchmarks)
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
     """
@@ -420,11 +420,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
-    persist = PERSIST and not wgmma if persist is None else persist
+    persist = PERSIST if persist is None else persist
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
-    if wgmma and persist:
-        raise ValueError("persistent CTAs run mma.sync tiles: persist needs wgmma off")
     if persist_ctas is not None and not persist:
         raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
     tiled = w.layout == "mma_tiled"

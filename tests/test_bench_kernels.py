@@ -17,7 +17,7 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
                      cluster_tiled_kernel_ms=0.0262, global_tiled_kernel_ms=0.0301,
                      act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301}, persist_stages_ms={2: 0.0290, 8: math.nan},
                      prefetch_ms={"one-tile": 0.0295, "persistent": 0.0280},
-                     persist_nt_rw_ms={"4,8": 0.030, "8,8": math.nan},
+                     persist_nt_rw_ms={"mma 4,8": 0.030, "wgmma 8,8": math.nan},
                      exact_codes_kernel_ms={"64x128 s4 w4 split 1": 0.025, "128x128 s3 w8 split 1": math.nan})
 LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, cublas_ms=1.2, bf16_ms=1.45,
                    exact_ms=1.3, exact_codes_ms=math.nan, auto_path="bf16", ours_ms=1.45, speedup_vs_cublas=0.83,

@@ -134,3 +134,9 @@ def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw,
         assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
         assert _resident_warps(log, rw) >= 12
         assert len(re.findall(r"\bUBLKPF\.L2\b", sass)) == (4 if persist else 2)      # codes and scales
+    if rw % 4 == 0:                                # the wgmma variant persistent: its MMAs still pipelined
+        log, sass = _compile("90a", nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, wgmma=True,
+                             cluster=cluster, persist=True, prefetch=True)
+        assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
+        assert "serializ" not in log.lower(), log
+        assert {"0x0", "0x1"} <= set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))

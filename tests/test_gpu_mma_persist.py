@@ -17,18 +17,19 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("n,k,cps", [(48, 384, None), (640, 2048, None), (640, 2048, 1), (4096, 4096, None),
                                      (2064, 12288, None), (1040, 1024, 2)])
 @pytest.mark.parametrize("cluster", [False, True])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, tiled):
+@pytest.mark.parametrize("tiled,wgmma", [(False, False), (True, False), (True, True)])
+def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, tiled, wgmma):
     """`launch(persist=True)`: with one CTA per row position (every tile in one CTA: its rings cross every
     tile boundary, past the last tile too), two, three, and the occupancy's default, the one-tile launch's
     bits, within the reference's bound; N not a multiple of the CTA's rows (warps past N), slices of one
-    chunk (the ring runs ahead by more than a tile), S = 1 (no reduction); CUDA-graph replay too."""
+    chunk (the ring runs ahead by more than a tile), S = 1 (no reduction); mma.sync and the wgmma variant
+    (whose MMAs drain at each tile's end); CUDA-graph replay too."""
     cuda_mma, _, tq = mods
     x, w = _x(m, k, seed=m + n), _w(n, k, seed=n + k, per_row=True)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     a = tq.quantize_per_token_exact(x, dtype=torch.float16)
     wk = cuda_mma.tile_weight(w) if tiled else w
-    opts = dict(bias=bias, cps=cps, cluster=cluster, persist=False)
+    opts = dict(bias=bias, cps=cps, cluster=cluster, wgmma=wgmma, persist=False)
     want = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     cuda_mma.launch(a.values, a.global_scale, wk, want, **opts)
     row_tiles = -(-n // (16 * cuda_mma.tiles(m)[1]))
@@ -74,15 +75,12 @@ def test_persistent_ctas_grouped(mods, cluster):
 
 
 def test_bad_launch_forms_are_refused(mods):
-    """The persistent form runs mma.sync tiles; persist_ctas needs persist and at most the row tiles; the L2
-    prefetch needs the tiled layout."""
+    """persist_ctas needs persist and at most the row tiles; the L2 prefetch needs the tiled layout."""
     cuda_mma, _, tq = mods
     a = tq.quantize_per_token_exact(_x(16, 1024, seed=1), dtype=torch.float16)
     w_modelopt = _w(256, 1024, seed=2, per_row=False)
     w = cuda_mma.tile_weight(w_modelopt)
     out = torch.empty(16, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="mma.sync"):
-        cuda_mma.launch(a.values, a.global_scale, w, out, persist=True, wgmma=True)
     with pytest.raises(ValueError, match="needs persist"):
         cuda_mma.launch(a.values, a.global_scale, w, out, persist=False, persist_ctas=2)
     with pytest.raises(ValueError, match="persist_ctas must be"):

@@ -77,9 +77,6 @@ typedef unsigned long long u64;
 #ifndef PERSIST
 #define PERSIST 0
 #endif
-#if PERSIST && WGMMA
-#error "PERSIST runs mma.sync tiles"
-#endif
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
