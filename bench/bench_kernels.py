@@ -426,6 +426,11 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
+def _swept(r: dict, key: str, label: str) -> str:
+    """"; LABEL config: us, ..." of a row's sweep (a dict of ms by configuration), "" where it did not run."""
+    return ("; " + label + " " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items())) if key in r else ""
+
+
 def print_tables(records: list[dict], device: str, print=print) -> None:
     print(f"\n# {device}")
     by = lambda kind: [r for r in records if r["kind"] == kind]
@@ -460,26 +465,18 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
                   f"{r['global_tiled_kernel_ms'] * 1e3:.1f} us vs the default "
                   f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)"
-                  + ("; persistent CTAs by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["persist_stages_ms"].items())
-                     if "persist_stages_ms" in r else "")
-                  + ("; with the L2 prefetch " + ", ".join(f"{f}: {ms * 1e3:.1f}" for f, ms in r["prefetch_ms"].items())
-                     if "prefetch_ms" in r else "")
-                  + ("; persistent + prefetch by nt,rw " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["persist_nt_rw_ms"].items())
-                     if "persist_nt_rw_ms" in r else ""))
+                  + _swept(r, "persist_stages_ms", "persistent CTAs by stages")
+                  + _swept(r, "prefetch_ms", "with the L2 prefetch")
+                  + _swept(r, "persist_nt_rw_ms", "persistent + prefetch by nt,rw"))
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
-                  + ("; by warps per CTA " + ", ".join(f"{rw}: {ms * 1e3:.1f}" for rw, ms in r["mma_rw_ms"].items())
-                     if "mma_rw_ms" in r else "")
-                  + ("; tiled by stages,cps " + ", ".join(f"{sc}: {ms * 1e3:.1f}" for sc, ms in r["mma_stages_cps_ms"].items())
-                     if "mma_stages_cps_ms" in r else "")
-                  + ("; linear by stages " + ", ".join(f"{st}: {ms * 1e3:.1f}" for st, ms in r["mma_tiled_linear_stages_ms"].items())
-                     if "mma_tiled_linear_stages_ms" in r else "")
-                  + ("; tiled by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["mma_nt_rw_cps_ms"].items())
-                     if "mma_nt_rw_cps_ms" in r else "")
-                  + ("; wgmma by nt,rw,cps " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["wgmma_nt_rw_cps_ms"].items())
-                     if "wgmma_nt_rw_cps_ms" in r else ""))
+                  + _swept(r, "mma_rw_ms", "by warps per CTA")
+                  + _swept(r, "mma_stages_cps_ms", "tiled by stages,cps")
+                  + _swept(r, "mma_tiled_linear_stages_ms", "linear by stages")
+                  + _swept(r, "mma_nt_rw_cps_ms", "tiled by nt,rw,cps")
+                  + _swept(r, "wgmma_nt_rw_cps_ms", "wgmma by nt,rw,cps"))
     for r in by("linear"):
         if "exact_codes_kernel_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: codes decoded in the wgmma kernel, alone (mma kernel "

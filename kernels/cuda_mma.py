@@ -51,40 +51,35 @@ _SMEM_LIMIT = 227 * 1024 - 64   # dynamic shared memory a CTA may take on sm_90 
 _TILED_BITS = ((13, 0), (14, 3), (12, 6), (15, 9))
 _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
 _MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
-# The MMA every launch uses unless told: "mma" (mma.sync) or "wgmma" (the warpgroup-MMA variant, sm_90a), read
-# once at import from NVFP4_SAMPLER_MMA, so that a benchmark can run whole engines on either (`prepare`
-# compiles that one); not a user setting: the default follows the H200 measurements
-_MMA = os.environ.get("NVFP4_SAMPLER_MMA", "mma")
-if _MMA not in ("mma", "wgmma"):
-    raise ValueError(f"NVFP4_SAMPLER_MMA must be 'mma' or 'wgmma', got {_MMA!r}")
-WGMMA = _MMA == "wgmma"
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """A kernel-variant switch read once at import (so that a benchmark can run whole engines on a variant:
+    the engine core reads it too; `prepare` compiles that one): the environment's value, choices[0] unset;
+    not user settings: their defaults follow the H200 measurements."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+# The MMA every launch uses unless told: "mma" (mma.sync) or "wgmma" (the warpgroup-MMA variant, sm_90a)
+WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # Split-K through thread-block clusters (the .cu file's CLUSTER: partial sums added through distributed
 # shared memory, no FP32 planes in global memory, the same bits) for launches of S <= CLUSTER_MAX_S
-# slices; read at import from NVFP4_SAMPLER_SPLIT_K ("cluster", the default, or "global") like
-# NVFP4_SAMPLER_MMA. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster): 8B down M = 1
-# 17.7 / 14.2, M = 16 28.3 / 19.7; the four 8B linears summed: M = 1 59.5 / 52.9, M = 16 83.6 / 75.5,
-# M = 32 124.4 / 113.1, M = 64 194.5 / 194.5
-_SPLIT_K = os.environ.get("NVFP4_SAMPLER_SPLIT_K", "cluster")
-if _SPLIT_K not in ("global", "cluster"):
-    raise ValueError(f"NVFP4_SAMPLER_SPLIT_K must be 'global' or 'cluster', got {_SPLIT_K!r}")
-CLUSTER = _SPLIT_K == "cluster"
+# slices, or through global FP32 planes. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster):
+# 8B down M = 1 17.7 / 14.2, M = 16 28.3 / 19.7; the four 8B linears summed: M = 1 59.5 / 52.9, M = 16
+# 83.6 / 75.5, M = 32 124.4 / 113.1, M = 64 194.5 / 194.5
+CLUSTER = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("cluster", "global")) == "cluster"
 CLUSTER_MAX_S = 8         # the portable cluster size
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
-# bits as one tile per CTA. Read at import from NVFP4_SAMPLER_PERSIST ("0", the default until the H200 has
-# measured it, or "1") like NVFP4_SAMPLER_MMA
-_PERSIST = os.environ.get("NVFP4_SAMPLER_PERSIST", "0")
-if _PERSIST not in ("0", "1"):
-    raise ValueError(f"NVFP4_SAMPLER_PERSIST must be '0' or '1', got {_PERSIST!r}")
-PERSIST = _PERSIST == "1"
+# bits as one tile per CTA; off until the H200 has measured it
+PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("0", "1")) == "1"
 # L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
-# overlap the first ones'; same bits. Read at import from NVFP4_SAMPLER_PREFETCH ("0", the default until measured,
-# or "1")
-_PREFETCH = os.environ.get("NVFP4_SAMPLER_PREFETCH", "0")
-if _PREFETCH not in ("0", "1"):
-    raise ValueError(f"NVFP4_SAMPLER_PREFETCH must be '0' or '1', got {_PREFETCH!r}")
-PREFETCH = _PREFETCH == "1"
+# overlap the first ones'; the same bits; off until measured
+PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
