@@ -50,7 +50,7 @@ def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, til
 @pytest.mark.parametrize("cluster", [False, True])
 @pytest.mark.parametrize("persist", [False, True])
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_l2_prefetch_gives_the_same_bits(mods, m, persist):
+def test_l2_prefetch_gives_the_same_bits(mods, m, persist, cluster):
     """`launch(prefetch=True)` (tiled weights): each warp's slice prefetched into L2 first (persistent: each
     next tile's too) changes no bit; 1-chunk slices (nothing left to prefetch) and long ones."""
     cuda_mma, _, tq = mods
@@ -59,7 +59,7 @@ def test_l2_prefetch_gives_the_same_bits(mods, m, persist):
         a = tq.quantize_per_token_exact(x, dtype=torch.float16)
         outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         for out, prefetch in zip(outs, (False, True)):
-            cuda_mma.launch(a.values, a.global_scale, w, out, cps=cps, persist=persist, prefetch=prefetch)
+            cuda_mma.launch(a.values, a.global_scale, w, out, cps=cps, cluster=cluster, persist=persist, prefetch=prefetch)
         torch.cuda.synchronize()
         assert torch.equal(outs[1], outs[0]), (n, k, cps)
 
