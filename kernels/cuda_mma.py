@@ -314,14 +314,19 @@ def _smem_bytes(nt: int, cps: int, rw: int, stages: int, persist_red: bool = Fal
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_ctas(kernel, threads: int, smem: int, device_index: int) -> int:
-    """CTAs of `kernel` (threads and dynamic shared memory each) resident on the whole device at once: the
-    driver's occupancy per SM times the SMs (clusters may fit fewer: then the last tiles wait)."""
+def _resident_ctas(kernel, threads: int, smem: int, device_index: int, cluster: int = 1) -> int:
+    """CTAs of `kernel` (threads and dynamic shared memory each; `cluster` CTAs along y a cluster) resident on
+    the whole device at once, as the driver computes it: clusters that fit at once times their CTAs, or
+    CTAs per SM times the SMs."""
     from torch.cuda import _utils
-    per_sm = ctypes.c_int()
-    _utils._check_cuda(_utils._get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(per_sm), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(smem)))
-    return max(1, per_sm.value) * torch.cuda.get_device_properties(device_index).multi_processor_count
+    lib, n = _utils._get_gpu_runtime_library(), ctypes.c_int()
+    if cluster > 1:
+        cfg, _attrs = _launch_config((1, cluster, 1), threads, smem, None, pdl=False, cluster=cluster)
+        _utils._check_cuda(lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), kernel.func, ctypes.byref(cfg)))
+        return max(1, n.value) * cluster
+    _utils._check_cuda(lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(smem)))
+    return max(1, n.value) * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def persistent_ctas(row_tiles: int, others: int, resident: int) -> int:
@@ -444,7 +449,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
     ctas = row_ctas
     if persist:
-        ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, _resident_ctas(kernel, 32 * rw, smem, dev))
+        resident = _resident_ctas(kernel, 32 * rw, smem, dev, cfg["S"] if cluster else 1)
+        ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, resident)
         if not 1 <= ctas <= row_ctas:
             raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
     _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
@@ -474,10 +480,16 @@ def _launch(kernel, grid: tuple[int, int, int], threads: int, smem: int, device:
     as a programmatic dependent of the previous launch; cluster: CTAs (along y) per thread-block cluster."""
     from torch.cuda import _utils
     arg_ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+    cfg, _attrs = _launch_config(grid, threads, smem, torch.cuda.current_stream(device).cuda_stream, pdl=pdl,
+                                 cluster=cluster)
+    _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arg_ptrs,
+                                                                          None))
+
+
+def _launch_config(grid: tuple[int, int, int], threads: int, smem: int, stream, *, pdl: bool, cluster: int):
+    """(CUlaunchConfig, its attribute array: keep both alive while the config is used) of a launch."""
     attrs = ([(_PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + \
         ([(_CLUSTER_DIMENSION, (1, cluster, 1))] if cluster > 1 else [])
     array = (_LaunchAttribute * max(1, len(attrs)))(*[_LaunchAttribute(i, 0, (ctypes.c_uint * 16)(*v)) for i, v in attrs])
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem,
-                        torch.cuda.current_stream(device).cuda_stream, array if attrs else None, len(attrs))
-    _utils._check_cuda(_utils._get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arg_ptrs,
-                                                                          None))
+    return _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem, stream,
+                         array if attrs else None, len(attrs)), array

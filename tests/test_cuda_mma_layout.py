@@ -299,6 +299,17 @@ def test_persistent_stream_issues_the_chunks_each_tile_computes(tiled):
     assert cuda_mma.persistent_ctas(192, 4, 396) == 96 and cuda_mma.persistent_ctas(48, 8, 396) == 48
 
 
+def test_launch_config_carries_pdl_and_the_cluster():
+    """The CUlaunchConfig `_launch` and the cluster occupancy query build: grid, block, shared memory, the
+    programmatic-dependent-launch attribute and the cluster's dimensions (1, S, 1)."""
+    cfg, attrs = cuda_mma._launch_config((3, 4, 5), 256, 1024, None, pdl=True, cluster=4)
+    assert (list(cfg.grid), list(cfg.block), cfg.shared_mem, cfg.num_attrs) == ([3, 4, 5], [256, 1, 1], 1024, 2)
+    assert [(a.id, list(a.value[:3])) for a in attrs] == [(6, [1, 0, 0]), (4, [1, 4, 1])]
+    assert [(cfg.attrs[i].id, cfg.attrs[i].value[1]) for i in range(2)] == [(6, 0), (4, 4)]
+    cfg, _ = cuda_mma._launch_config((1, 2, 1), 128, 0, None, pdl=False, cluster=1)
+    assert cfg.num_attrs == 0 and not cfg.attrs
+
+
 def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     """The MoE default path by (token, expert) pairs: the per-pair GEMVs up to PAIRED_MAX_PAIRS; above,
     the tensor-core kernels only where `mma_fits` / `exact_fits` (here, on the CPU, never: the grouped GEMM)."""
