@@ -426,6 +426,17 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
+def _decode_forms(r: dict) -> dict[str, float]:
+    """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
+    the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent + prefetch by NT x RW, the
+    exact Triton GEMM by configuration."""
+    forms = {"default": r.get("mma_tiled_tuned_kernel_ms", r["mma_tiled_kernel_ms"]), "wgmma": r["wgmma_tiled_kernel_ms"]}
+    forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
+    forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
+    forms |= {f"persist+prefetch {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
+    return forms | {f"exact {c}": ms for c, ms in r.get("exact_tiled_kernel_ms", {}).items()}
+
+
 def _swept(r: dict, key: str, label: str) -> str:
     """"; LABEL config: us, ..." of a row's sweep (a dict of ms by configuration), "" where it did not run."""
     return ("; " + label + " " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items())) if key in r else ""
@@ -488,6 +499,14 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         if "exact_tiles_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: GEMM alone by tiles (cuBLAS {r['cublas_ms'] * 1e3:.1f} us) "
                   + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["exact_tiles_ms"].items()) + " us")
+    decode = [r for r in by("linear") if "mma_tiled_kernel_ms" in r]
+    if decode:
+        print("\nDecode forms, kernel alone on tiled weights, us (* the fastest; x: cuBLAS BF16 / the fastest)")
+    for r in decode:
+        forms = _decode_forms(r)
+        best = min(forms, key=lambda f: math.inf if math.isnan(forms[f]) else forms[f])
+        print(f"  {r['shape']:13s} M={r['m']:2d}: " + ", ".join(f"{'*' * (f == best)}{f} {ms * 1e3:.1f}" for f, ms in forms.items())
+              + f"  ({r['cublas_ms'] / forms[best]:.2f}x cuBLAS, {forms['default'] / forms[best]:.2f}x the default)")
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "

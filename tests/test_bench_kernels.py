@@ -48,6 +48,9 @@ def test_tables_print_every_column_and_candidate():
     assert "64 tokens, mma, warpgroup-MMA variant: NT 1: 210.0 us" in text
     assert "64 tokens, mma by split-K slice (chunks): 4: 307.7, 8: 290.0, 16: nan us" in text
     assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
+    forms = next(x for x in lines if x.strip().startswith("8B gate_up") and "M=16: default" in x)
+    assert ("default 30.1, *wgmma 22.1, persist s2 29.0, persist s8 nan, prefetch 29.5, persist+prefetch 28.0, "
+            "persist+prefetch mma 4,8 30.0, persist+prefetch wgmma 8,8 nan  (2.24x cuBLAS, 1.36x the default)") in forms
 
 
 def test_a_failing_candidate_is_nan_not_an_error(capsys):
