@@ -203,8 +203,9 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
                                   model_ms=t * LAYERS_30B, gbps=gbps(nbytes, t), frac_peak_copy=gbps(nbytes, t) / peak_gbps))
 
 
-def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool) -> None:
-    ms = (1, 4, 16, 32, 64, 256, 4096) if quick else (1, 4, 16, 32, 64, 256, 1024, 4096, 8192)
+def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_configs: bool,
+                 ms: tuple[int, ...] | None = None) -> None:
+    ms = ms or ((1, 4, 16, 32, 64, 256, 4096) if quick else (1, 4, 16, 32, 64, 256, 1024, 4096, 8192))
     for name in shapes:
         n, k = LINEAR_SHAPES[name]
         w_bf = copies(lambda i: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16), n * k * 2)
@@ -546,6 +547,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(LINEAR_SHAPES),
                    help="comma-separated linear shapes (spaces in names may be written as _)")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweeps and the eager reference")
+    p.add_argument("--ms", help="comma-separated token counts of the linear section (default: by --quick)")
     args = p.parse_args(argv)
     shapes = [{k.replace(" ", "_"): k for k in LINEAR_SHAPES}.get(sh, sh) for sh in args.shapes.split(",")]
     if not torch.cuda.is_available():
@@ -567,7 +569,8 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     peak = bench_copy(log)
     sections = {"act": lambda: bench_act_quant(log, peak, args.quick), "weight": lambda: bench_weight_conversion(log, peak),
-                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(log, peak, args.quick, shapes, not args.no_sweep)}
+                "moe": lambda: bench_moe(log, args.quick), "linear": lambda: bench_linear(
+                    log, peak, args.quick, shapes, not args.no_sweep, tuple(map(int, args.ms.split(","))) if args.ms else None)}
     for name, run in sections.items():
         if name not in only:
             continue
