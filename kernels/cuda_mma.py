@@ -383,8 +383,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
     persist  about one wave of persistent CTAs, each over several row tiles (the same bits); None: `PERSIST`
-          (NVFP4_SAMPLER_PERSIST); persist_ctas: override of their number per row position
-          (`persistent_ctas`; tests, benchmarks)
+          (NVFP4_SAMPLER_PERSIST), one tile a CTA where the persistent form's shared memory does not fit;
+          persist_ctas: override of their number per row position (`persistent_ctas`; tests, benchmarks)
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
     """
@@ -420,7 +420,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
-    persist = PERSIST if persist is None else persist
+    persist_default, persist = persist is None, PERSIST if persist is None else persist
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
     if persist_ctas is not None and not persist:
@@ -435,13 +435,16 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     cluster = cfg["CLUSTER"]
-    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch)["w4a16_mma"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages, persist and cluster)
+    if persist and persist_default and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
+        persist, smem = False, _smem_bytes(nt, cfg["CPS"], rw, stages)   # form does not fit, one tile a CTA
     if cluster and not persist:                      # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)
     if smem > _SMEM_LIMIT:
-        raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}")
+        raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}"
+                         + (" (persistent: with the split-K partial sums' space)" if persist and cluster else ""))
+    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
+    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]

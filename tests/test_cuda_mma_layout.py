@@ -208,7 +208,7 @@ def test_tiles_cover_every_m():
 def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
     """The default path's faster launch above 16 tokens (not batch-invariant): wide weights 16 warps and
     16-chunk slices, others 8 and 8 (16 from K = 6144); every (NT, RW) a forward may take is compiled
-    by `prepare`, and its shared memory fits."""
+    by `prepare`, and its shared memory fits, in the persistent form too."""
     assert cuda_mma.throughput_options(16, 24576, 4096) == {}
     assert cuda_mma.throughput_options(17, 24576, 4096) == dict(rw=16, cps=16)
     assert cuda_mma.throughput_options(64, 4096, 2048) == dict(rw=8, cps=8)
@@ -221,6 +221,9 @@ def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
             assert (nt, rw) in cuda_mma.VARIANTS
             cps = cuda_mma.config(n, k, cps=opt.get("cps"))["CPS"]
             assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
+            # the persistent form fits too (its split-K partial sums in a space of their own): engines that
+            # turn it on never fall back to one tile a CTA
+            assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES, persist_red=True) <= cuda_mma._SMEM_LIMIT
 
 
 def test_tiled_order_is_what_the_kernel_indexes():
