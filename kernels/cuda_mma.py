@@ -448,14 +448,14 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
-    # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
-    # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
     ctas = row_ctas
     if persist:
         resident = _resident_ctas(kernel, 32 * rw, smem, dev, cfg["S"] if cluster else 1)
         ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, resident)
         if not 1 <= ctas <= row_ctas:
             raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
+    # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
+    # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
     _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
             cluster=cfg["S"] if cluster else 1)
     return out
