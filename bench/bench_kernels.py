@@ -438,9 +438,9 @@ def _decode_forms(r: dict) -> dict[str, float]:
     return forms | {f"exact {c}": ms for c, ms in r.get("exact_tiled_kernel_ms", {}).items()}
 
 
-def _swept(r: dict, key: str, label: str) -> str:
-    """"; LABEL config: us, ..." of a row's sweep (a dict of ms by configuration), "" where it did not run."""
-    return ("; " + label + " " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items())) if key in r else ""
+def _swept(r: dict, key: str, label: str, unit: str = "") -> str:
+    """"; LABEL config: us, ...UNIT" of a row's sweep (a dict of ms by configuration), "" where it did not run."""
+    return ("; " + label + " " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items()) + unit) if key in r else ""
 
 
 def print_tables(records: list[dict], device: str, print=print) -> None:
@@ -494,9 +494,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
             print(f"  exact {r['shape']:13s} M={r['m']}: codes decoded in the wgmma kernel, alone (mma kernel "
                   f"{r['mma_kernel_ms'] * 1e3:.1f} us) " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in
                                                                      r["exact_codes_kernel_ms"].items()) + " us"
-                  + ("; on mma_tiled codes " + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in
-                                                         r["exact_tiled_kernel_ms"].items()) + " us"
-                     if "exact_tiled_kernel_ms" in r else ""))
+                  + _swept(r, "exact_tiled_kernel_ms", "on mma_tiled codes", " us"))
         if "exact_tiles_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: GEMM alone by tiles (cuBLAS {r['cublas_ms'] * 1e3:.1f} us) "
                   + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["exact_tiles_ms"].items()) + " us")

@@ -154,7 +154,6 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         result["profiles"][b] = profile_decode(llm, run, b, trace_dir)
         result["profiles"][b]["wall_us_per_step_unprofiled"] = b / result["tokens_per_s"][b] * 1e6
         Path(out).write_text(json.dumps(result))
-    Path(out).write_text(json.dumps(result))
     print(f"{quant} {Path(model).name}: {result}", flush=True)
 
 

@@ -66,6 +66,12 @@ def _main_kernel_info(log: str) -> str:
     return part[:part.index("Used") + 80]
 
 
+def _resident_warps(log: str, rw: int) -> int:
+    """Warps of `rw`-warp CTAs resident per SM by `w4a16_mma`'s registers."""
+    regs = int(re.search(r"Used (\d+) registers", _main_kernel_info(log)).group(1))
+    return 65536 // (regs * 32 * rw) * rw
+
+
 # (nt, rw, out dtype, tiled, stages, wgmma, cluster): the variants the host launches
 _BF16, _FP16, _FP32 = torch.bfloat16, torch.float16, torch.float32
 VARIANTS = [
@@ -93,10 +99,8 @@ def test_compiles_for_sm90_without_spills(nt, rw, out_dtype, tiled, stages, wgmm
                          wgmma=wgmma, cluster=cluster)
     info = _main_kernel_info(log)
     assert "0 bytes spill stores, 0 bytes spill loads" in info, info
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
     if not wgmma and (nt, rw) in cuda_mma.VARIANTS:
-        warps = 65536 // (regs * 32 * rw) * rw                              # resident by registers
-        assert warps >= 12, f"{regs} registers: {warps} warps of {rw}-warp CTAs per SM"
+        assert _resident_warps(log, rw) >= 12, f"{info}: {_resident_warps(log, rw)} warps of {rw}-warp CTAs per SM"
     if cluster:
         assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass
     if wgmma:
@@ -106,11 +110,6 @@ def test_compiles_for_sm90_without_spills(nt, rw, out_dtype, tiled, stages, wgmm
         assert "0x1" in waits and "0x0" in waits, waits
     else:
         assert sass.count("HMMA.16816.F32") >= 8 * nt, "mma.sync m16n8k16 for each k16 step and token tile"
-
-
-def _resident_warps(log: str, rw: int) -> int:
-    regs = int(re.search(r"Used (\d+) registers", _main_kernel_info(log)).group(1))
-    return 65536 // (regs * 32 * rw) * rw
 
 
 @pytest.mark.parametrize("nt,rw", cuda_mma.VARIANTS)
