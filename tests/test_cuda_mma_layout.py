@@ -226,6 +226,13 @@ def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
             assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES, persist_red=True) <= cuda_mma._SMEM_LIMIT
 
 
+def _w_index(n0: int, g: int, t: int, half: int, c: int, k: int, tiled: bool) -> int:
+    """The kernel's w_index (both layouts; its text is checked against the source below)."""
+    if tiled:
+        return ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t
+    return (n0 + g + 8 * half) * (k >> 5) + c * 4 + t
+
+
 def test_tiled_order_is_what_the_kernel_indexes():
     """tile_weight puts row n0 + g + 8 * half, chunk c, thread t's 16 code bytes (2 scale bytes) at the
     kernel's w_index, and tile_weight of the tiled weight inverts it."""
@@ -242,7 +249,7 @@ def test_tiled_order_is_what_the_kernel_indexes():
             for half in (0, 1):
                 for g in range(8):
                     for t in range(4):
-                        i = ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t    # w_index, TILED
+                        i = _w_index(n0, g, t, half, c, k, tiled=True)
                         row = n0 + g + 8 * half
                         want = cuda_mma._encode_words(w.codes[row, c * 64 + t * 16: c * 64 + t * 16 + 16])
                         assert torch.equal(codes[i], want)
@@ -250,13 +257,6 @@ def test_tiled_order_is_what_the_kernel_indexes():
     back = cuda_mma.tile_weight(tw)
     assert torch.equal(back.codes, w.codes) and torch.equal(back.block_scales.view(torch.uint8), wsc)
     assert "((((size_t)(n0 >> 4) * (K >> 7) + c) * 2 + half) * 8 + g) * 4 + t" in SOURCE
-
-
-def _w_index(n0: int, g: int, t: int, half: int, c: int, k: int, tiled: bool) -> int:
-    """The kernel's w_index (both layouts; its text is checked against the source below)."""
-    if tiled:
-        return ((((n0 >> 4) * (k >> 7) + c) * 2 + half) * 8 + g) * 4 + t
-    return (n0 + g + 8 * half) * (k >> 5) + c * 4 + t
 
 
 @pytest.mark.parametrize("tiled", [False, True])
