@@ -27,13 +27,12 @@ default and BF16. --dynamo adds nvfp4_sampler with dynamo's graphs run by the ea
 (`compilation_config.backend = "eager"`: no inductor code, CUDA graphs kept; the compiled-mode
 configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost against the default mode.
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
-(NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --cluster with its split-K through thread-block
-clusters (NVFP4_SAMPLER_SPLIT_K=cluster), --exact with the exact Triton GEMM on the tiled codes at 33-64
+(NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
 tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --persist with persistent CTAs and the L2 prefetch of weight
 slices (NVFP4_SAMPLER_PERSIST=1, NVFP4_SAMPLER_PREFETCH=1): the kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--cluster] [--exact] [--persist] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--exact] [--persist] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -82,9 +81,9 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
-# nvfp4_sampler on a kernel variant (--wgmma, --cluster, --exact, --persist): the environment its processes get
+# nvfp4_sampler on a kernel variant (--wgmma, --exact, --persist): the environment its processes get
 # (read by kernels.cuda_mma and triton_gemm at import, in the engine core too)
-KERNEL_VARIANTS = {"nvfp4_wgmma": {"NVFP4_SAMPLER_MMA": "wgmma"}, "nvfp4_cluster": {"NVFP4_SAMPLER_SPLIT_K": "cluster"},
+KERNEL_VARIANTS = {"nvfp4_wgmma": {"NVFP4_SAMPLER_MMA": "wgmma"},
                    "nvfp4_exact": {"NVFP4_SAMPLER_EXACT_MIN_M": "33"},    # the Triton exact GEMM at 33-64 tokens
                    "nvfp4_persist": {"NVFP4_SAMPLER_PERSIST": "1", "NVFP4_SAMPLER_PREFETCH": "1"}}   # cuda_mma's
 
@@ -261,8 +260,6 @@ def main() -> None:
     ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (one more engine)")
     ap.add_argument("--dynamo", action="store_true", help="also nvfp4_sampler on dynamo's eager backend (one more engine)")
     ap.add_argument("--wgmma", action="store_true", help="also nvfp4_sampler on the wgmma decode kernel (one more engine)")
-    ap.add_argument("--cluster", action="store_true",
-                    help="also nvfp4_sampler with split-K through thread-block clusters (one more engine)")
     ap.add_argument("--exact", action="store_true",
                     help="also nvfp4_sampler with the Triton exact GEMM at 33-64 tokens (one more engine)")
     ap.add_argument("--persist", action="store_true",
@@ -279,7 +276,7 @@ def main() -> None:
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
     quants = (("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
-              + (("nvfp4_wgmma",) if args.wgmma else ()) + (("nvfp4_cluster",) if args.cluster else ())
+              + (("nvfp4_wgmma",) if args.wgmma else ())
               + (("nvfp4_exact",) if args.exact else ()) + (("nvfp4_persist",) if args.persist else ()))
     if args.dynamo and args.mode != "compiled":
         ap.error("--dynamo compares against the compiled mode: --mode compiled")

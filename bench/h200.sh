@@ -73,8 +73,6 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
     bench_e2e_wgmma) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
                               --out $OUT/bench_vllm_e2e_wgmma.json" ;;
-    bench_e2e_cluster) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --cluster
-                              --out $OUT/bench_vllm_e2e_cluster.json" ;;
     bench_e2e_exact) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --exact
                               --out $OUT/bench_vllm_e2e_exact.json" ;;   # full depth, three engines (~420 s)
     bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --persist
