@@ -249,6 +249,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
                 tuned = cuda_mma.throughput_options(m, n, k)   # the warpgroup-MMA variant, tiles as the default's
+                row["same_bits"] = same_bits_forms(xq, w_t[0], out, tuned)
                 row["wgmma_tiled_kernel_ms"] = tried_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, wgmma=True, **tuned) for w in w_t]) / len(w_t)
                 for form, cluster in (("cluster", True), ("global", False)):   # both split-K forms (same bits)
@@ -427,6 +428,27 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
+def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | None]:
+    """Whether each launch form that claims the default's bits (split-K through clusters or global planes,
+    persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
+    form cannot run (a depth's shared memory)."""
+    def run(**form) -> torch.Tensor:
+        got = torch.empty_like(out)
+        cuda_mma.launch(xq.values, xq.global_scale, w, got, **tuned, **form)
+        return got.view(torch.int16)
+    want, forms = run(), {"cluster": dict(cluster=True), "global": dict(cluster=False),
+                          "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True)}
+    forms |= {f"persist s{st}": dict(persist=True, stages=st) for st in MMA_STAGES_SWEEP}
+    same = {}
+    for name, form in forms.items():
+        try:
+            same[name] = torch.equal(run(**form), want)
+        except Exception as err:  # noqa: BLE001 - a form that cannot run is a result
+            print(f"form {name} failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+            same[name] = None
+    return same
+
+
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
     the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent + prefetch by NT x RW, the
@@ -506,6 +528,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         best = min(forms, key=lambda f: math.inf if math.isnan(forms[f]) else forms[f])
         print(f"  {r['shape']:13s} M={r['m']:2d}: " + ", ".join(f"{'*' * (f == best)}{f} {ms * 1e3:.1f}" for f, ms in forms.items())
               + f"  ({r['cublas_ms'] / forms[best]:.2f}x cuBLAS, {forms['default'] / forms[best]:.2f}x the default)")
+        differ = [f for f, same in r.get("same_bits", {}).items() if same is False]
+        print(f"      bits of the default: {'DIFFER in ' + ', '.join(differ) if differ else 'same'} "
+              f"({sum(v is not None for v in r.get('same_bits', {}).values())} forms checked)")
     for r in by("linear"):
         if "gemv_fused_ms" in r:
             print(f"  gemv {r['shape']:13s} M={r['m']:2d}: quantization fused {r['gemv_fused_ms'] * 1e3:.1f} us, "
