@@ -255,6 +255,8 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 for form, cluster in (("cluster", True), ("global", False)):   # both split-K forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                         xq.values, xq.global_scale, w, out, cluster=cluster, **tuned) for w in w_t]) / len(w_t)
+                row["one_tile_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(   # one tile a CTA (the default up to
+                    xq.values, xq.global_scale, w, out, persist=False, **tuned) for w in w_t]) / len(w_t)   # 16 tokens)
                 # persistent CTAs (same bits, same tiles) by ring depth: their rings stream across row tiles
                 # (NaN where a depth's shared memory does not fit)
                 row["persist_stages_ms"] = {st: tried_ms(lambda st=st: [cuda_mma.launch(
@@ -429,14 +431,14 @@ def bench_moe(log, quick: bool) -> None:
 
 
 def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | None]:
-    """Whether each launch form that claims the default's bits (split-K through clusters or global planes,
-    persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
+    """Whether each launch form that claims the default's bits (one tile a CTA, split-K through clusters or
+    global planes, persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
     form cannot run (a depth's shared memory)."""
     def run(**form) -> torch.Tensor:
         got = torch.empty_like(out)
         cuda_mma.launch(xq.values, xq.global_scale, w, got, **tuned, **form)
         return got.view(torch.int16)
-    want, forms = run(), {"cluster": dict(cluster=True), "global": dict(cluster=False),
+    want, forms = run(), {"one-tile": dict(persist=False), "cluster": dict(cluster=True), "global": dict(cluster=False),
                           "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True)}
     forms |= {f"persist s{st}": dict(persist=True, stages=st) for st in MMA_STAGES_SWEEP}
     same = {}
@@ -451,9 +453,10 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
 
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
-    the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent + prefetch by NT x RW, the
+    one tile a CTA, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent + prefetch by NT x RW, the
     exact Triton GEMM by configuration."""
     forms = {"default": r.get("mma_tiled_tuned_kernel_ms", r["mma_tiled_kernel_ms"]), "wgmma": r["wgmma_tiled_kernel_ms"]}
+    forms |= {"one-tile": r["one_tile_kernel_ms"]} if "one_tile_kernel_ms" in r else {}
     forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
     forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
     forms |= {f"persist+prefetch {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}

@@ -28,11 +28,12 @@ default and BF16. --dynamo adds nvfp4_sampler with dynamo's graphs run by the ea
 configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost against the default mode.
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
-tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --persist with persistent CTAs and the L2 prefetch of weight
-slices (NVFP4_SAMPLER_PERSIST=1, NVFP4_SAMPLER_PREFETCH=1): the kernel choice measured end to end.
+tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every size
+(NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens): the kernel choice measured
+end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--exact] [--persist] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -81,11 +82,11 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
-# nvfp4_sampler on a kernel variant (--wgmma, --exact, --persist): the environment its processes get
+# nvfp4_sampler on a kernel variant (--wgmma, --exact, --one-tile): the environment its processes get
 # (read by kernels.cuda_mma and triton_gemm at import, in the engine core too)
 KERNEL_VARIANTS = {"nvfp4_wgmma": {"NVFP4_SAMPLER_MMA": "wgmma"},
                    "nvfp4_exact": {"NVFP4_SAMPLER_EXACT_MIN_M": "33"},    # the Triton exact GEMM at 33-64 tokens
-                   "nvfp4_persist": {"NVFP4_SAMPLER_PERSIST": "1", "NVFP4_SAMPLER_PREFETCH": "1"}}   # cuda_mma's
+                   "nvfp4_one_tile": {"NVFP4_SAMPLER_PERSIST": "0"}}   # cuda_mma without persistent CTAs
 
 
 def _category(name: str) -> str:
@@ -262,8 +263,8 @@ def main() -> None:
     ap.add_argument("--wgmma", action="store_true", help="also nvfp4_sampler on the wgmma decode kernel (one more engine)")
     ap.add_argument("--exact", action="store_true",
                     help="also nvfp4_sampler with the Triton exact GEMM at 33-64 tokens (one more engine)")
-    ap.add_argument("--persist", action="store_true",
-                    help="also nvfp4_sampler with cuda_mma's persistent CTAs and L2 prefetch (one more engine)")
+    ap.add_argument("--one-tile", action="store_true",
+                    help="also nvfp4_sampler with one tile a CTA at every size (one more engine)")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -277,7 +278,7 @@ def main() -> None:
                      "new_tokens": NEW_TOKENS, "models": {}}
     quants = (("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
               + (("nvfp4_wgmma",) if args.wgmma else ())
-              + (("nvfp4_exact",) if args.exact else ()) + (("nvfp4_persist",) if args.persist else ()))
+              + (("nvfp4_exact",) if args.exact else ()) + (("nvfp4_one_tile",) if args.one_tile else ()))
     if args.dynamo and args.mode != "compiled":
         ap.error("--dynamo compares against the compiled mode: --mode compiled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))

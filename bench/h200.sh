@@ -50,7 +50,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_8b_full) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --out $OUT/bench_vllm_e2e_8b_full.json" ;;
     bench_linear_8b) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
                               $OUT/bench_linear_8b.json --shapes 8B_qkv,8B_o,8B_gate_up,8B_down" ;;
-    bench_decode_8b) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --ms 1,16,64
+    bench_decode_8b) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --ms 1,16,32,64
                               --json $OUT/bench_decode_8b.json --shapes 8B_qkv,8B_o,8B_gate_up,8B_down" ;;   # decode sizes
     bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
                               $OUT/bench_linear_small.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down,8B_gate_up" ;;
@@ -75,7 +75,7 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e_wgmma.json" ;;
     bench_e2e_exact) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --exact
                               --out $OUT/bench_vllm_e2e_exact.json" ;;   # full depth, three engines (~420 s)
-    bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --persist
+    bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --one-tile
                               --out $OUT/bench_vllm_e2e_persist.json" ;;   # full depth, three engines (~420 s)
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;

@@ -15,7 +15,7 @@ import torch
 
 from nvfp4_sampler.kernels import cuda_mma, triton_quant
 
-FORMS = {"one-tile": {}, "persist": dict(persist=True), "prefetch": dict(prefetch=True),
+FORMS = {"one-tile": dict(persist=False), "persist": dict(persist=True), "prefetch": dict(persist=False, prefetch=True),
          "persist+prefetch": dict(persist=True, prefetch=True)}
 
 

@@ -75,11 +75,24 @@ CLUSTER_MAX_S = 8         # the portable cluster size
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
-# bits as one tile per CTA; off until the H200 has measured it
-PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("0", "1")) == "1"
+# bits as one tile per CTA. The default for dense launches of PERSIST_MIN_M tokens or more: H100 (2026-12-05,
+# bench_decode_8b, kernel alone on tiled weights, us one tile / persistent at the default tiles) 8B qkv, o,
+# gate_up, down at M = 64: 29.1 / 25.1, 23.7 / 24.9, 79.3 / 57.0, 66.4 / 52.5 (summed 198.5 / 159.5); at
+# M = 1 and 16 no gain (summed 59.3 / 60.5, 79.7 / 81.5). NVFP4_SAMPLER_PERSIST: "auto" (that), "1" every
+# launch (the MoE's grouped ones too), "0" none
+_PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("auto", "0", "1"))
+PERSIST = _PERSIST == "1"
+PERSIST_MIN_M = 17
 # L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
-# overlap the first ones'; the same bits; off until measured
+# overlap the first ones'; the same bits; off: slower at every point of the H100 run above (one tile / with
+# the prefetch, 8B shapes at M = 1, 16, 64: +4% to +13%, persistent forms alike)
 PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
+
+
+def persist_default(m: int, grouped: bool, mode: str = _PERSIST) -> bool:
+    """Whether a launch of m tokens (grouped: a MoE launch over expert tiles) takes persistent CTAs when
+    `launch` is not told (mode: NVFP4_SAMPLER_PERSIST's value)."""
+    return mode == "1" or (mode == "auto" and not grouped and m >= PERSIST_MIN_M)
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -100,7 +113,8 @@ def supported(device: torch.device) -> tuple[bool, str]:
 def prepare(device: torch.device) -> tuple[bool, str]:
     """Load-time set-up on `device`: the probe, every kernel variant a forward may launch compiled and
     loaded (dense: bf16/fp16 out, both layouts; grouped MoE: fp32 out, ModelOpt; with CLUSTER both
-    split-K forms, since S = 1 or S > CLUSTER_MAX_S keep the planes), the split-K tickets allocated, so
+    split-K forms, since S = 1 or S > CLUSTER_MAX_S keep the planes; one tile a CTA and the persistent
+    forms `persist_default` may choose), the split-K tickets allocated, so
     that no forward (and no CUDA-graph capture) compiles or allocates them. (ok, reason)."""
     ok, reason = supported(device)
     if not ok:
@@ -108,12 +122,15 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         for cluster in sorted({False, CLUSTER}):
-            for nt, rw in VARIANTS:
-                for out_dtype in (torch.bfloat16, torch.float16):
-                    for tiled in (False, True):
-                        _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, PERSIST, PREFETCH and tiled)
+            for nt, rw in VARIANTS:           # one tile a CTA (also where a persistent form does not fit), and
+                # the persistent form where a default launch may take it: the tiles of PERSIST_MIN_M tokens on
+                for persist in sorted({False, PERSIST or (_PERSIST == "auto" and nt == tiles(PERSIST_MIN_M)[0])}):
+                    for out_dtype in (torch.bfloat16, torch.float16):
+                        for tiled in (False, True):
+                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, persist, PREFETCH and tiled)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
-                _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, PERSIST)
+                for persist in sorted({False, PERSIST}):
+                    _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -382,8 +399,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cluster  split-K slices added through a thread-block cluster's shared memory instead of FP32 planes in
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
-    persist  about one wave of persistent CTAs, each over several row tiles (the same bits); None: `PERSIST`
-          (NVFP4_SAMPLER_PERSIST), one tile a CTA where the persistent form's shared memory does not fit;
+    persist  about one wave of persistent CTAs, each over several row tiles (the same bits); None:
+          `persist_default` (NVFP4_SAMPLER_PERSIST), one tile a CTA where the persistent form's shared memory
+          does not fit;
           persist_ctas: override of their number per row position (`persistent_ctas`; tests, benchmarks)
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
@@ -420,7 +438,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
     wgmma = WGMMA if wgmma is None else wgmma
-    persist_default, persist = persist is None, PERSIST if persist is None else persist
+    chosen, persist = persist is None, persist_default(m, schedule is not None) if persist is None else persist
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
     if persist_ctas is not None and not persist:
@@ -436,7 +454,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     cluster = cfg["CLUSTER"]
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages, persist and cluster)
-    if persist and persist_default and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
+    if persist and chosen and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
         persist, smem = False, _smem_bytes(nt, cfg["CPS"], rw, stages)   # form does not fit, one tile a CTA
     if cluster and not persist:                      # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)

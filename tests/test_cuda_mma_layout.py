@@ -205,6 +205,17 @@ def test_tiles_cover_every_m():
         cuda_mma.tiles(1, rw=17)
 
 
+def test_persistent_ctas_by_default_on_dense_launches_from_persist_min_m_tokens():
+    """NVFP4_SAMPLER_PERSIST "auto" (the default): dense launches of PERSIST_MIN_M = 17 tokens or more take
+    persistent CTAs, smaller ones and the MoE's grouped launches one tile a CTA; "1" every launch, "0" none.
+    Every such size runs the token tiles that `prepare` compiles in the persistent form."""
+    pd = cuda_mma.persist_default
+    assert [pd(m, False, "auto") for m in (1, 16, 17, 64, 4096)] == [False, False, True, True, True]
+    assert not pd(64, True, "auto")
+    assert pd(1, False, "1") and pd(1, True, "1") and not pd(64, False, "0")
+    assert {cuda_mma.tiles(m)[0] for m in range(cuda_mma.PERSIST_MIN_M, 5000)} == {cuda_mma.tiles(cuda_mma.PERSIST_MIN_M)[0]}
+
+
 def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
     """The default path's faster launch above 16 tokens (not batch-invariant): wide weights 16 warps and
     16-chunk slices, others 8 and 8 (16 from K = 6144); every (NT, RW) a forward may take is compiled
@@ -336,9 +347,9 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
                                              ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1"))])
 def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
     """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),
-    NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"), NVFP4_SAMPLER_PERSIST and
-    NVFP4_SAMPLER_PREFETCH the persistent CTAs and the L2 prefetch ("0" or "1"); anything else stops the
-    import with the variable's name."""
+    NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"), NVFP4_SAMPLER_PERSIST
+    persistent CTAs at every launch ("1"; "0" none, "auto" by size) and NVFP4_SAMPLER_PREFETCH the L2
+    prefetch ("0" or "1"); anything else stops the import with the variable's name."""
     import os
     import sys
     code = f"from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.{attr})"
