@@ -84,8 +84,8 @@ _PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("auto", "0", "1"))
 PERSIST = _PERSIST == "1"
 PERSIST_MIN_M = 17
 # L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
-# overlap the first ones'; the same bits; off: slower at every point of the H100 run above (one tile / with
-# the prefetch, 8B shapes at M = 1, 16, 64: +4% to +13%, persistent forms alike)
+# overlap the first ones'; the same bits; off: slower at 23 of 24 points of the H100 run above (8B shapes at
+# M = 1, 16, 64, one tile a CTA +1% to +13%, persistent +7% to +24%; faster only at qkv M = 16 one tile, -8.5%)
 PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 
 
