@@ -23,7 +23,7 @@ def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, til
     tile boundary, past the last tile too), two, three, and the occupancy's default, the one-tile launch's
     bits, within the reference's bound; N not a multiple of the CTA's rows (warps past N), slices of one
     chunk (the ring runs ahead by more than a tile), S = 1 (no reduction); mma.sync and the wgmma variant
-    (whose MMAs drain at each tile's end); CUDA-graph replay too."""
+    (whose MMAs drain at each tile's end); CUDA-graph replay too, the occupancy queried inside the capture."""
     cuda_mma, _, tq = mods
     x, w = _x(m, k, seed=m + n), _w(n, k, seed=n + k, per_row=True)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -39,8 +39,9 @@ def test_persistent_ctas_give_the_one_tile_bits(mods, m, n, k, cps, cluster, til
         torch.cuda.synchronize()
         assert torch.equal(got, want), f"persist_ctas={ctas}"
     graph, got = torch.cuda.CUDAGraph(), torch.full_like(want, float("nan"))
-    with torch.cuda.graph(graph):
-        cuda_mma.launch(a.values, a.global_scale, wk, got, **{**opts, "persist": True, "persist_ctas": min(2, row_tiles)})
+    cuda_mma._resident_ctas.cache_clear()      # the driver's occupancy query inside the capture: engines capture
+    with torch.cuda.graph(graph):              # decode sizes that no eager forward ran before
+        cuda_mma.launch(a.values, a.global_scale, wk, got, **{**opts, "persist": True})
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
