@@ -50,6 +50,10 @@ MMA_RW_SWEEP = (2, 4, 8, 16)
 MMA_STAGES_SWEEP = (2, 3, 4, 8)
 MMA_CPS_SWEEP = (2, 4, 8, 16)
 MMA_NT_SWEEP = (4, 8)                     # token tiles of 8 per CTA at M = 32, 64
+PERSIST_SWEEP = ((False, 4, 8, 8), (False, 4, 8, 16), (False, 4, 16, 16), (True, 4, 8, 16), (True, 4, 16, 16),
+                 (True, 8, 8, 8))                 # (wgmma, NT, RW, CPS) of persistent launches at M = 32, 64: the
+                                                  # one-tile forms fastest at M = 64 on the H100 (2026-12-05; NT 8
+                                                  # RW 16 does not fit beside the cluster's partial sums)
 MMA_CPS_SWEEP_MOE = (4, 8, 16)            # chunks of 128 per split-K slice, MoE at 16-256 tokens
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
@@ -265,13 +269,11 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["prefetch_ms"] = {form: tried_ms(lambda persist=persist: [cuda_mma.launch(   # slices into L2 first
                     xq.values, xq.global_scale, w, out, persist=persist, prefetch=True, **tuned) for w in w_t]) / len(w_t)
                     for form, persist in (("one-tile", False), ("persistent", True))}
-                if m == 64:                               # persistent + prefetch by MMA x token tiles x warps (NT = 8:
-                    row["persist_nt_rw_ms"] = {f"{'wgmma' if g else 'mma'} {t},{r}": tried_ms(   # each weight decoded once)
-                        lambda t=t, r=r, g=g: [cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r, wgmma=g,
-                                                               cps=tuned.get("cps"), persist=True, prefetch=True)
-                                               for w in w_t]) / len(w_t)
-                        for g, t, r in ((False, 4, 8), (False, 4, 16), (False, 8, 4), (False, 8, 8), (True, 4, 16),
-                                        (True, 8, 4), (True, 8, 8))}
+                if m in (32, 64):                         # persistent by MMA x token tiles x warps x split-K slice
+                    row["persist_nt_rw_ms"] = {f"{'wgmma' if g else 'mma'} {t},{r},{c}": tried_ms(
+                        lambda t=t, r=r, g=g, c=c: [cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r,
+                                                                    wgmma=g, cps=c, persist=True) for w in w_t]) / len(w_t)
+                        for g, t, r, c in PERSIST_SWEEP if c <= k // cuda_mma.CHUNK}
                 if tuned:                                 # the mma.sync kernel with the same tiles, beside it
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
@@ -453,13 +455,13 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
 
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
-    one tile a CTA, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent + prefetch by NT x RW, the
+    one tile a CTA, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
     exact Triton GEMM by configuration."""
     forms = {"default": r.get("mma_tiled_tuned_kernel_ms", r["mma_tiled_kernel_ms"]), "wgmma": r["wgmma_tiled_kernel_ms"]}
     forms |= {"one-tile": r["one_tile_kernel_ms"]} if "one_tile_kernel_ms" in r else {}
     forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
     forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
-    forms |= {f"persist+prefetch {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
+    forms |= {f"persist {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
     return forms | {f"exact {c}": ms for c, ms in r.get("exact_tiled_kernel_ms", {}).items()}
 
 
@@ -504,7 +506,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)"
                   + _swept(r, "persist_stages_ms", "persistent CTAs by stages")
                   + _swept(r, "prefetch_ms", "with the L2 prefetch")
-                  + _swept(r, "persist_nt_rw_ms", "persistent + prefetch by nt,rw"))
+                  + _swept(r, "persist_nt_rw_ms", "persistent by mma nt,rw,cps"))
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: tiled linear (quantizer + kernel) {r['mma_tiled_linear_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "

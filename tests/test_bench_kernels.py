@@ -17,7 +17,7 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
                      cluster_tiled_kernel_ms=0.0262, global_tiled_kernel_ms=0.0301,
                      act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301}, persist_stages_ms={2: 0.0290, 8: math.nan},
                      prefetch_ms={"one-tile": 0.0295, "persistent": 0.0280},
-                     persist_nt_rw_ms={"mma 4,8": 0.030, "wgmma 8,8": math.nan},
+                     persist_nt_rw_ms={"mma 4,8,8": 0.030, "wgmma 8,16,8": math.nan},
                      same_bits={"cluster": True, "global": True, "persist s2": False, "persist s8": None},
                      exact_codes_kernel_ms={"64x128 s4 w4 split 1": 0.025, "128x128 s3 w8 split 1": math.nan})
 LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, cublas_ms=1.2, bf16_ms=1.45,
@@ -51,7 +51,7 @@ def test_tables_print_every_column_and_candidate():
     assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
     forms = next(x for x in lines if x.strip().startswith("8B gate_up") and "M=16: default" in x)
     assert ("default 30.1, *wgmma 22.1, persist s2 29.0, persist s8 nan, prefetch 29.5, persist+prefetch 28.0, "
-            "persist+prefetch mma 4,8 30.0, persist+prefetch wgmma 8,8 nan  (2.24x cuBLAS, 1.36x the default)") in forms
+            "persist mma 4,8,8 30.0, persist wgmma 8,16,8 nan  (2.24x cuBLAS, 1.36x the default)") in forms
     assert lines[lines.index(forms) + 1].strip() == "bits of the default: DIFFER in persist s2 (3 forms checked)"
 
 
