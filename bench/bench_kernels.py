@@ -54,6 +54,7 @@ PERSIST_SWEEP = ((False, 4, 8, 8), (False, 4, 8, 16), (False, 4, 16, 16), (True,
                  (True, 8, 8, 8))                 # (wgmma, NT, RW, CPS) of persistent launches at M = 32, 64: the
                                                   # one-tile forms fastest at M = 64 on the H100 (2026-12-05; NT 8
                                                   # RW 16 does not fit beside the cluster's partial sums)
+BF16_BLOCK_MIB = (8, 16, 32)              # column blocks of the bf16 path's FP32 product (`triton_gemm.BF16_BLOCK_BYTES`)
 MMA_CPS_SWEEP_MOE = (4, 8, 16)            # chunks of 128 per split-K slice, MoE at 16-256 tokens
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
@@ -225,6 +226,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
             for path in (("mma",) * mma + ("gemv",) * (m <= triton_gemv.GEMV_KERNEL_MAX_M)
                          + ("packed",) * (m <= 1024) + ("bf16",)):
                 row[f"{path}_ms"] = graph_ms(lambda: [triton_gemm.linear(x, w, path=path) for w in w_q]) / len(w_q)
+            if m >= 4096:                                 # the bf16 path over column blocks of its FP32 product
+                row["bf16_blocks_ms"] = {f"{mib} MiB": tried_ms(lambda mib=mib: [triton_gemm._linear_bf16(
+                    x, w, None, torch.bfloat16, None, "vllm", block_bytes=mib << 20) for w in w_q]) / len(w_q)
+                    for mib in BF16_BLOCK_MIB}
             if m >= 256:                                  # the exact path (forced: a candidate)
                 row["exact_ms"] = tried_ms(lambda: [triton_gemm.linear(x, w, path="exact") for w in w_q]) / len(w_q)
             if m >= 256:                                  # the exact path with the codes decoded in the GEMM (no
@@ -525,6 +530,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
         if "exact_tiles_ms" in r:
             print(f"  exact {r['shape']:13s} M={r['m']}: GEMM alone by tiles (cuBLAS {r['cublas_ms'] * 1e3:.1f} us) "
                   + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r["exact_tiles_ms"].items()) + " us")
+        if "bf16_blocks_ms" in r:
+            print(f"  bf16 {r['shape']:13s} M={r['m']}: the path by column blocks of its FP32 product (one block "
+                  f"{r['bf16_ms'] * 1e3:.1f} us, cuBLAS {r['cublas_ms'] * 1e3:.1f}) " + ", ".join(
+                      f"{c}: {ms * 1e3:.1f} ({r['cublas_ms'] / ms:.2f}x)" for c, ms in r["bf16_blocks_ms"].items()) + " us")
     decode = [r for r in by("linear") if "mma_tiled_kernel_ms" in r]
     if decode:
         print("\nDecode forms, kernel alone on tiled weights, us (* the fastest; x: cuBLAS BF16 / the fastest)")

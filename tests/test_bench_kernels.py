@@ -23,7 +23,8 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
 LINEAR_WIDE = dict(kind="linear", shape="8B gate_up", m=4096, n=24576, k=4096, cublas_ms=1.2, bf16_ms=1.45,
                    exact_ms=1.3, exact_codes_ms=math.nan, auto_path="bf16", ours_ms=1.45, speedup_vs_cublas=0.83,
                    weight_gbps=39.0, weight_frac_copy=0.01, best_exact_speedup_vs_cublas=0.92,
-                   exact_tiles_ms={"128x256 s3 w8": 1.21, "256x128 s3 w8 codes": math.nan})
+                   exact_tiles_ms={"128x256 s3 w8": 1.21, "256x128 s3 w8 codes": math.nan},
+                   bf16_blocks_ms={"8 MiB": 1.3, "32 MiB": math.nan})
 ACT = dict(kind="act_quant", m=16384, k=4096, bytes=1, ours_ms=0.0713, tuned_ms=0.07, copy_same_bytes_ms=0.04,
            ref_ms=None, gbps=2413.0, frac_peak_copy=0.569, tuned_frac_peak_copy=0.57, frac_same_size_copy=0.587,
            exact_ms=0.06, exact_frac_peak_copy=0.88)
@@ -44,6 +45,8 @@ def test_tables_print_every_column_and_candidate():
     assert "64 tokens, mma, split-K through global planes: NT 1: 270.0 us" in text
     assert "64x128 s4 w4 split 1: 25.0, 128x128 s3 w8 split 1: nan us" in text
     assert "128x256 s3 w8: 1210.0, 256x128 s3 w8 codes: nan us" in text
+    assert ("bf16 8B gate_up    M=4096: the path by column blocks of its FP32 product (one block 1450.0 us, cuBLAS "
+            "1200.0) 8 MiB: 1300.0 (0.92x), 32 MiB: nan (nanx) us") in text
     wide = next(x for x in lines if x.strip().startswith("8B gate_up") and " 4096 " in x)
     assert "1450.0   1300.0    nan" in wide                        # bf16, exact, codes columns
     assert "64 tokens, mma, warpgroup-MMA variant: NT 1: 210.0 us" in text

@@ -222,6 +222,24 @@ def test_linear_paths_match_reference(tk, tv, m, path):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.parametrize("m", [1, 300])
+def test_bf16_path_in_column_blocks_matches_reference(tk, m):
+    """The "bf16" path over column blocks of its FP32 product (`block_bytes`: 128-column blocks, the last
+    one partial; per-row global scales and the bias sliced with them) stays within the tolerance of
+    `reference.linear`, in both weight layouts."""
+    from nvfp4_sampler.kernels import cuda_mma
+    tg = tk[1]
+    n, k = 400, 2048
+    x = _activations(m, k, seed=m + 21)
+    x = x / x.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    w = _weight(n, k, seed=6, per_row=True)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = reference.linear(x, w, bias=bias).float()
+    for wk in (w, cuda_mma.tile_weight(w)):
+        got = tg._linear_bf16(x, wk, bias, torch.bfloat16, None, "vllm", block_bytes=4 * 128 * m)
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-3)
+
+
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_exact_gemm_decoding_codes_matches_reference(tk, m):
     """The exact GEMM with the weight codes decoded inside the kernel (config W_CODES): within the

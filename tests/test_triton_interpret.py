@@ -183,6 +183,25 @@ def check_packed_split_k() -> None:
     assert bool(((outs[0] - want).abs() <= _bound(a, w, want, bias)).all())
 
 
+def check_scale_epilogue() -> None:
+    """`scale_epilogue` into a column block of a wider output (the "bf16" path's blocks): the spec's two FP32
+    scalings and the bias, rounded once, bit for bit (FP16 out: the interpreter truncates to BF16, where the
+    GPU rounds to nearest even); nothing written outside the block."""
+    from nvfp4_sampler.kernels import triton_gemm
+    g = torch.Generator().manual_seed(7)
+    m, n, wide, n0 = 70, 200, 520, 128
+    acc = torch.randn(m, n, generator=g) * 1e3
+    a_gs, w_gs = torch.rand(m, generator=g) + 0.5, torch.rand(n, generator=g)
+    bias = torch.randn(n, generator=g).to(torch.float16)
+    for gs, b in ((w_gs, bias), (w_gs[3], None)):
+        out = torch.full((m, wide), 7.0, dtype=torch.float16)
+        triton_gemm.scale_epilogue(acc, a_gs, gs, b, out[:, n0:n0 + n])
+        want = (acc * a_gs[:, None]) * (gs if gs.dim() == 0 else gs[None, :])
+        want = (want if b is None else want + b.float()).to(torch.float16)
+        assert torch.equal(out[:, n0:n0 + n], want)
+        assert (out[:, :n0] == 7).all() and (out[:, n0 + n:] == 7).all()
+
+
 def check_linear_exact() -> None:
     """The exact GEMM (`launch_exact`, path "exact"), weights dequantized beforehand or decoded in the
     kernel (W_CODES), split-K planes added in order: every output of a grid with partial row and column tiles and a partial last group
@@ -390,5 +409,6 @@ if __name__ == "__main__":
         check_moe_exact(order)
     check_packed_split_k()
     check_linear_exact()
+    check_scale_epilogue()
     check_moe_schedule_and_combine()
     print("interpreter checks passed")
