@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import pathlib
 
@@ -89,7 +90,7 @@ PERSIST_MIN_M = 17
 PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 
 
-def persist_default(m: int, grouped: bool, mode: str = _PERSIST) -> bool:
+def persist_default(m: int | float, grouped: bool, mode: str = _PERSIST) -> bool:
     """Whether a launch of m tokens (grouped: a MoE launch over expert tiles) takes persistent CTAs when
     `launch` is not told (mode: NVFP4_SAMPLER_PERSIST's value)."""
     return mode == "1" or (mode == "auto" and not grouped and m >= PERSIST_MIN_M)
@@ -123,8 +124,9 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     try:
         for cluster in sorted({False, CLUSTER}):
             for nt, rw in VARIANTS:           # one tile a CTA (also where a persistent form does not fit), and
-                # the persistent form where a default launch may take it: the tiles of PERSIST_MIN_M tokens on
-                for persist in sorted({False, PERSIST or (_PERSIST == "auto" and nt == tiles(PERSIST_MIN_M)[0])}):
+                # the persistent form where `persist_default` gives it to the most tokens these tiles serve
+                most = next(top for top, t, _ in TILES if t == nt) or math.inf
+                for persist in sorted({False, persist_default(most, False)}):
                     for out_dtype in (torch.bfloat16, torch.float16):
                         for tiled in (False, True):
                             _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, persist, PREFETCH and tiled)
