@@ -36,12 +36,16 @@ _MAX_CPS = 16             # the largest slice a launch may take (dynamic shared 
 # activation slice each CTA stages in shared memory is read by more weight rows (at 16 tokens and 4
 # warps its L2 reads equalled the weight's); (nt, rw) never change the summation order
 TILES = ((8, 1, 4), (16, 2, 8), (None, 4, 8))
-# The default (not batch-invariant) path above M = 16 (`throughput_options`): on the H200 sweep of NT x RW x
-# CPS at M = 32 and 64 (bench_linear_small, 2026-12-04) wide weights (N >= 8192) ran fastest with 16 warps
-# and 16-chunk slices (8B gate_up at M = 64: 73 vs 97 us, M = 32: 46 vs 51), the others with 8 warps and
-# 8 chunks (16 from 48 chunks on: K = 6144); `config`'s batch-invariant slice was 0.6-0.9x as fast there
+# The default (not batch-invariant) path above M = 16 (`throughput_options`): the first of THROUGHPUT_TILES'
+# (RW, CPS) whose launch has at least THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs. On the H200
+# (2026-12-05, eleventh session, persistent launches, 8B shapes at M = 32 and 64) it picks the fastest form at
+# 7 of 8 points and is within 3% at the eighth (qkv M = 32: 15.9 vs 15.4 us); the fifth session's NT x RW x CPS
+# sweep (mma.sync, 1.7B and 8B shapes) agrees at all 9 of its points. Fewer CTAs leave SMs idle; more run
+# shorter slices or narrower CTAs that stage the same activations more often (8B o at M = 64: 15.8 us with
+# 128 CTAs, 24.9 with 256; 8B down at M = 64: 38.2 with 16 warps on wgmma, 50.5 with 8 on mma.sync)
 THROUGHPUT_MIN_M = 17
-_WIDE_N = 8192
+THROUGHPUT_TILES = ((16, 16), (8, 16), (8, 8))   # (RW, CPS), fewest CTAs first
+THROUGHPUT_MIN_CTAS = 96                         # about 3/4 of an H200's 132 SMs
 STAGES = 3                # chunks in each warp's cp.async ring: on the H200 3 beat 4 and 6 at M = 16-64, and
                           # registers in flight (56 -> 128 registers) at M = 16-64; they tied at M <= 4
 _SLOT_BYTES = 1152        # one chunk of a warp's ring: 16 rows x (64 code bytes + 8 scale bytes)
@@ -124,12 +128,14 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     try:
         for cluster in sorted({False, CLUSTER}):
             for nt, rw in VARIANTS:           # one tile a CTA (also where a persistent form does not fit), and
-                # the persistent form where `persist_default` gives it to the most tokens these tiles serve
+                # the persistent form where `persist_default` gives it to the most tokens these tiles serve;
+                # `throughput_options`' 16 warps on warpgroup MMAs where the device has them
                 most = next(top for top, t, _ in TILES if t == nt) or math.inf
+                wgmma = WGMMA or (rw == 16 and has_wgmma(device))
                 for persist in sorted({False, persist_default(most, False)}):
                     for out_dtype in (torch.bfloat16, torch.float16):
                         for tiled in (False, True):
-                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, WGMMA, cluster, persist, PREFETCH and tiled)
+                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist, PREFETCH and tiled)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 for persist in sorted({False, PERSIST}):
                     _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
@@ -139,14 +145,26 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     return True, reason
 
 
-def throughput_options(m: int, n: int, k: int) -> dict:
-    """`launch` overrides (rw, cps) for M tokens on an [N, K] weight where batch invariance is not asked
-    for: none up to THROUGHPUT_MIN_M - 1 (`config` and `tiles`), the measured faster tiles above. The
-    split-K slice then depends on M, so a row's bits may differ between M <= 16 and M > 16."""
+def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> dict:
+    """`launch` overrides (rw, cps, wgmma) for M tokens on an [N, K] weight where batch invariance is not
+    asked for: none up to THROUGHPUT_MIN_M - 1 (`config` and `tiles`); above, the first of THROUGHPUT_TILES
+    whose launch has THROUGHPUT_MIN_CTAS CTAs (else the last), 16 warps as warpgroup MMAs where the device
+    has them (warpgroup: `has_wgmma`). The split-K slice then depends on M, so a row's bits may differ
+    between M <= 16 and M > 16."""
     if m < THROUGHPUT_MIN_M:
         return {}
-    chunks, wide = k // CHUNK, n >= _WIDE_N
-    return dict(rw=16 if wide else 8, cps=min(chunks, 16 if wide or chunks >= 48 else 8))
+    chunks, m_tiles = k // CHUNK, -(-m // (8 * tiles(m)[0]))
+    for rw, cps in THROUGHPUT_TILES:
+        cps = min(cps, chunks)
+        if -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= THROUGHPUT_MIN_CTAS:
+            break
+    return dict(rw=rw, cps=cps) | ({"wgmma": True} if warpgroup and rw == 16 else {})
+
+
+@functools.lru_cache(maxsize=None)
+def has_wgmma(device: torch.device) -> bool:
+    """Whether `device` runs the warpgroup-MMA variant (sm_90a: Hopper only)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 GROUPED_NT = 1            # token tiles of 8 per expert tile of the grouped (MoE) launch, `triton_moe._moe_tiled`:

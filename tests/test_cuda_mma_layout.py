@@ -217,20 +217,32 @@ def test_persistent_ctas_by_default_on_dense_launches_from_persist_min_m_tokens(
 
 
 def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
-    """The default path's faster launch above 16 tokens (not batch-invariant): wide weights 16 warps and
-    16-chunk slices, others 8 and 8 (16 from K = 6144); every (NT, RW) a forward may take is compiled
-    by `prepare`, and its shared memory fits, in the persistent form too."""
-    assert cuda_mma.throughput_options(16, 24576, 4096) == {}
-    assert cuda_mma.throughput_options(17, 24576, 4096) == dict(rw=16, cps=16)
-    assert cuda_mma.throughput_options(64, 4096, 2048) == dict(rw=8, cps=8)
-    assert cuda_mma.throughput_options(64, 2048, 6144) == dict(rw=8, cps=16)
-    assert cuda_mma.throughput_options(64, 16384, 512) == dict(rw=16, cps=4)       # no more chunks than K has
+    """The default path's faster launch above 16 tokens (not batch-invariant): the first (RW, CPS) of
+    THROUGHPUT_TILES with THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs where the device has them.
+    The fastest forms measured on the H200 (8B, persistent, M = 32 / 64; the 1.7B sweep of the fifth
+    session) are what it picks; every (NT, RW) a forward may take is compiled by `prepare`, and its shared
+    memory fits, in the persistent form too."""
+    opt = cuda_mma.throughput_options
+    assert opt(16, 24576, 4096, warpgroup=True) == {}
+    picks = {   # (M, N, K): (RW, CPS), the measured fastest
+        (32, 6144, 4096): (8, 16), (64, 6144, 4096): (16, 16),       # 8B qkv (M = 32: 15.9 vs the best 15.4 us)
+        (32, 4096, 4096): (8, 8), (64, 4096, 4096): (8, 16),         # 8B o
+        (32, 24576, 4096): (16, 16), (64, 24576, 4096): (16, 16),    # 8B gate_up
+        (32, 4096, 12288): (16, 16), (64, 4096, 12288): (16, 16),    # 8B down
+        (32, 4096, 2048): (8, 8), (64, 4096, 2048): (8, 8), (64, 2048, 2048): (8, 8),   # 1.7B qkv, o
+        (32, 12288, 2048): (8, 16), (64, 12288, 2048): (16, 16),     # 1.7B gate_up
+        (32, 2048, 6144): (8, 8), (64, 2048, 6144): (8, 16)}         # 1.7B down
+    for (m, n, k), (rw, cps) in picks.items():
+        assert opt(m, n, k) == dict(rw=rw, cps=cps), (m, n, k)
+        assert opt(m, n, k, warpgroup=True) == dict(rw=rw, cps=cps) | ({"wgmma": True} if rw == 16 else {})
+    assert opt(64, 16384, 512) == dict(rw=16, cps=4)                 # no more chunks than K has
     for m in range(1, 65):
-        for n, k in ((24576, 4096), (4096, 12288), (2048, 2048)):
-            opt = cuda_mma.throughput_options(m, n, k)
-            nt, rw = cuda_mma.tiles(m, rw=opt.get("rw"))
+        for n, k in ((24576, 4096), (4096, 12288), (2048, 2048), (6144, 4096)):
+            o = opt(m, n, k, warpgroup=True)
+            nt, rw = cuda_mma.tiles(m, rw=o.get("rw"))
             assert (nt, rw) in cuda_mma.VARIANTS
-            cps = cuda_mma.config(n, k, cps=opt.get("cps"))["CPS"]
+            assert o.get("wgmma", False) == (rw == 16)                  # as `prepare` compiles them
+            cps = cuda_mma.config(n, k, cps=o.get("cps"))["CPS"]
             assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
             # the persistent form fits too (its split-K partial sums in a space of their own): engines that
             # turn it on never fall back to one tile a CTA

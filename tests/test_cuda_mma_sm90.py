@@ -86,7 +86,8 @@ VARIANTS = [
     (1, 4, _FP32, False, cuda_mma.STAGES, True, False), (8, 4, _BF16, True, cuda_mma.STAGES, True, True),
     (2, 8, _BF16, True, cuda_mma.STAGES, False, True), (4, 16, _BF16, True, cuda_mma.STAGES, False, True),  # split-K
     (1, 4, _FP32, False, cuda_mma.STAGES, False, True), (2, 8, _BF16, True, cuda_mma.STAGES, True, True),  # through
-    (8, 8, _BF16, True, cuda_mma.STAGES, True, True)]                                                      # clusters
+    (8, 8, _BF16, True, cuda_mma.STAGES, True, True),                                                      # clusters
+    (4, 16, _BF16, True, cuda_mma.STAGES, True, True), (4, 16, _FP16, False, cuda_mma.STAGES, True, True)]  # `throughput_options`
 
 
 @pytest.mark.parametrize("nt,rw,out_dtype,tiled,stages,wgmma,cluster", VARIANTS)
@@ -127,6 +128,11 @@ def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw,
         assert _resident_warps(log, rw) >= _resident_warps(_compile("90", **variant)[0], rw)
         assert sass.count("HMMA.16816.F32") >= 8 * nt
         assert ("UCGABAR_ARV" in sass) == cluster
+        if rw == 16:                                  # `throughput_options`' 16 warps run warpgroup MMAs
+            log, sass = _compile("90a", **variant, persist=True, wgmma=True)
+            assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
+            assert "serializ" not in log.lower(), log
+            assert sass.count(f"HGMMA.64x{8 * nt}x16.F32") >= 8
     for persist in (False, True):
         log, sass = _compile("90", nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, cluster=cluster,
                              persist=persist, prefetch=True)
