@@ -131,7 +131,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                 # the persistent form where `persist_default` gives it to the most tokens these tiles serve;
                 # `throughput_options`' 16 warps on warpgroup MMAs where the device has them
                 most = next(top for top, t, _ in TILES if t == nt) or math.inf
-                wgmma = WGMMA or (rw == 16 and has_wgmma(device))
+                wgmma = WGMMA or throughput_wgmma(rw, has_wgmma(device))
                 for persist in sorted({False, persist_default(most, False)}):
                     for out_dtype in (torch.bfloat16, torch.float16):
                         for tiled in (False, True):
@@ -158,7 +158,13 @@ def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> di
         cps = min(cps, chunks)
         if -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= THROUGHPUT_MIN_CTAS:
             break
-    return dict(rw=rw, cps=cps) | ({"wgmma": True} if warpgroup and rw == 16 else {})
+    return dict(rw=rw, cps=cps) | ({"wgmma": True} if throughput_wgmma(rw, warpgroup) else {})
+
+
+def throughput_wgmma(rw: int, warpgroup: bool) -> bool:
+    """Whether `throughput_options`' launch of rw warps runs warpgroup MMAs (16 warps, where the device has
+    them: warpgroup); `prepare` compiles the same."""
+    return warpgroup and rw == 16
 
 
 @functools.lru_cache(maxsize=None)
