@@ -509,9 +509,11 @@ def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 
 # The "bf16" path's FP32 product [M, N] is written by cuBLAS and read back by the scale epilogue: at 8B
 # gate_up, M = 4096, ~0.8 GB of traffic beside the 0.2 GB BF16 output. In column blocks of at most this many
-# bytes of FP32 (one buffer, reused) the product can stay in L2 between the two; None: one block (the
-# default until the H200 has measured the blocks: bench_kernels' bf16_blocks_ms).
-BF16_BLOCK_BYTES: int | None = None
+# bytes of FP32 (one buffer, reused) the product can stay in L2 between the two, and the transient buffer is
+# 16 MiB instead of M x N x 4 bytes (400 MB there). H100, M = 4096, the four 8B linears (bench_kernels'
+# bf16_blocks_ms, docs/BENCHMARKS.md twelfth session): one block 2798 us summed, 8 / 16 / 32 MiB 3108 / 2711 /
+# 2724 us; 16 MiB no slower on any shape (gate_up 1465 -> 1379 us). None: one block.
+BF16_BLOCK_BYTES: int | None = 16 << 20
 
 
 def _linear_bf16(x2: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
