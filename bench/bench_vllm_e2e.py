@@ -29,11 +29,12 @@ configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost aga
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
 tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every size
-(NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens): the kernel choice measured
-end to end.
+(NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens), --no-pdl with the decode kernel
+launched as an ordinary (not programmatic dependent) launch after the quantizer (NVFP4_SAMPLER_PDL=0): the
+kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--no-pdl] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -82,11 +83,15 @@ CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel
 REPEATS = 5
 STRICT = "nvfp4_strict"          # nvfp4_sampler in strict mode (--strict)
 DYNAMO = "nvfp4_dynamo"          # nvfp4_sampler, dynamo on the eager backend (--dynamo)
-# nvfp4_sampler on a kernel variant (--wgmma, --exact, --one-tile): the environment its processes get
-# (read by kernels.cuda_mma and triton_gemm at import, in the engine core too)
-KERNEL_VARIANTS = {"nvfp4_wgmma": {"NVFP4_SAMPLER_MMA": "wgmma"},
-                   "nvfp4_exact": {"NVFP4_SAMPLER_EXACT_MIN_M": "33"},    # the Triton exact GEMM at 33-64 tokens
-                   "nvfp4_one_tile": {"NVFP4_SAMPLER_PERSIST": "0"}}   # cuda_mma without persistent CTAs
+# nvfp4_sampler on a kernel variant, one more engine each: engine name -> (its flag, the environment its
+# processes get (read by kernels.cuda_mma and triton_gemm at import, in the engine core too), the flag's help)
+KERNEL_VARIANTS = {
+    "nvfp4_wgmma": ("--wgmma", {"NVFP4_SAMPLER_MMA": "wgmma"}, "the wgmma decode kernel in every launch"),
+    "nvfp4_exact": ("--exact", {"NVFP4_SAMPLER_EXACT_MIN_M": "33"}, "the Triton exact GEMM at 33-64 tokens"),
+    "nvfp4_one_tile": ("--one-tile", {"NVFP4_SAMPLER_PERSIST": "0"}, "one tile a CTA at every size"),
+    "nvfp4_no_pdl": ("--no-pdl", {"NVFP4_SAMPLER_PDL": "0"},
+                     "the decode kernel launched after the quantizer, not as its programmatic dependent"),
+}
 
 
 def _category(name: str) -> str:
@@ -116,7 +121,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         engine_mode = {**engine_mode, "compilation_config": {**engine_mode.get("compilation_config", {}),
                                                              "backend": "eager"}}
     if quant in KERNEL_VARIANTS:
-        os.environ.update(KERNEL_VARIANTS[quant])
+        os.environ.update(KERNEL_VARIANTS[quant][1])
         quant = "nvfp4_sampler"
     if quant == STRICT:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"           # read by vLLM at import (and by the engine core)
@@ -260,11 +265,8 @@ def main() -> None:
     ap.add_argument("--mode", choices=sorted(MODES), default="compiled")
     ap.add_argument("--strict", action="store_true", help="also nvfp4_sampler in strict mode (one more engine)")
     ap.add_argument("--dynamo", action="store_true", help="also nvfp4_sampler on dynamo's eager backend (one more engine)")
-    ap.add_argument("--wgmma", action="store_true", help="also nvfp4_sampler on the wgmma decode kernel (one more engine)")
-    ap.add_argument("--exact", action="store_true",
-                    help="also nvfp4_sampler with the Triton exact GEMM at 33-64 tokens (one more engine)")
-    ap.add_argument("--one-tile", action="store_true",
-                    help="also nvfp4_sampler with one tile a CTA at every size (one more engine)")
+    for name, (flag, _, text) in KERNEL_VARIANTS.items():
+        ap.add_argument(flag, action="append_const", const=name, dest="variants", help=f"also nvfp4_sampler: {text}")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -277,8 +279,7 @@ def main() -> None:
     results: dict = {"mode": args.mode, "device": torch.cuda.get_device_name(), "prompt_len": PROMPT_LEN,
                      "new_tokens": NEW_TOKENS, "models": {}}
     quants = (("bf16", "nvfp4_sampler") + ((STRICT,) if args.strict else ()) + ((DYNAMO,) if args.dynamo else ())
-              + (("nvfp4_wgmma",) if args.wgmma else ())
-              + (("nvfp4_exact",) if args.exact else ()) + (("nvfp4_one_tile",) if args.one_tile else ()))
+              + tuple(name for name in KERNEL_VARIANTS if name in (args.variants or ())))
     if args.dynamo and args.mode != "compiled":
         ap.error("--dynamo compares against the compiled mode: --mode compiled")
     tmp = Path(tempfile.mkdtemp(prefix="bench-e2e-"))

@@ -92,6 +92,12 @@ PERSIST_MIN_M = 17
 # overlap the first ones'; the same bits; off: slower at 23 of 24 points of the H100 run above (8B shapes at
 # M = 1, 16, 64, one tile a CTA +1% to +13%, persistent +7% to +24%; faster only at qkv M = 16 one tile, -8.5%)
 PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
+# Programmatic dependent launch: the decode kernel's CTAs start (and load weights) while the activation
+# quantizer before it still runs; its griddepcontrol.wait orders the activation reads after the quantizer's
+# writes, so "0" (an ordinary launch, the wait then a no-op) gives the same bits. A switch for the e2e bench
+# (`bench_vllm_e2e.py --no-pdl`): on the H100 (twelfth session) a batch-64 decode step of the nvfp4 engine
+# spent 1145 us in cudaGraphLaunch against BF16's 584, and the GPU waited 444 us a step for the host
+PDL = _env_choice("NVFP4_SAMPLER_PDL", ("1", "0")) == "1"
 
 
 def persist_default(m: int | float, grouped: bool, mode: str = _PERSIST) -> bool:
@@ -498,9 +504,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, resident)
         if not 1 <= ctas <= row_ctas:
             raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
-    # programmatic dependent launch: CTAs start (and load weights) while the quantizer still runs; the
-    # kernel's griddepcontrol.wait orders its activation reads after the quantizer's writes
-    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=True,
+    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=PDL,
             cluster=cfg["S"] if cluster else 1)
     return out
 

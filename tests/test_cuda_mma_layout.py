@@ -356,12 +356,14 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
 @pytest.mark.parametrize("var,attr,values", [("NVFP4_SAMPLER_MMA", "WGMMA", ("mma", "wgmma")),
                                              ("NVFP4_SAMPLER_SPLIT_K", "CLUSTER", ("global", "cluster")),
                                              ("NVFP4_SAMPLER_PERSIST", "PERSIST", ("0", "1")),
-                                             ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1"))])
+                                             ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1")),
+                                             ("NVFP4_SAMPLER_PDL", "PDL", ("0", "1"))])
 def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
     """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),
     NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"), NVFP4_SAMPLER_PERSIST
-    persistent CTAs at every launch ("1"; "0" none, "auto" by size) and NVFP4_SAMPLER_PREFETCH the L2
-    prefetch ("0" or "1"); anything else stops the import with the variable's name."""
+    persistent CTAs at every launch ("1"; "0" none, "auto" by size), NVFP4_SAMPLER_PREFETCH the L2
+    prefetch ("0" or "1") and NVFP4_SAMPLER_PDL the programmatic dependent launch ("1", or "0": an ordinary
+    launch); anything else stops the import with the variable's name."""
     import os
     import sys
     code = f"from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.{attr})"
