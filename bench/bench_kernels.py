@@ -59,6 +59,10 @@ MMA_CPS_SWEEP_MOE = (4, 8, 16)            # chunks of 128 per split-K slice, MoE
 MMA_NT_SWEEP_MOE = (1, 2, 4)              # token tiles of 8 per expert tile, MoE at >= 128 tokens (fp32 out:
                                           # NT = 8 spills on sm_90)
 LINEAR_STAGES_SWEEP = (3, 5, 8)
+# (wgmma, RW, CPS) at M = 16 (NT = 2, `cuda_mma.tiles`): warps and MMA are free there (they change no bit,
+# `cuda_mma.TILES`), the slice is `config`'s (the summation order of every M); 16 warps stage each token's
+# K slice for twice the weight rows of the default 8
+SMALL_SWEEP = [(g, r, c) for g in (False, True) for r in (4, 8, 16) for c in (4, 8, 16)]
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
                      for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8),
                                            (64, 128, 4, 8))]
@@ -304,6 +308,11 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         for w in w_t]) / len(w_t)                         # each weight decoded once, the tokens read
                         for t in MMA_NT_SWEEP for r in (4, 8, 16) for c in MMA_CPS_SWEEP[1:]   # from shared memory)
                         if c <= k // cuda_mma.CHUNK and cuda_mma._smem_bytes(t, c, r, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT}
+                if m == 16:                               # MMA x warps per CTA x split-K slice at the default NT
+                    row["small_rw_cps_ms"] = {f"{'wgmma' if g else 'mma'} {r},{c}": tried_ms(
+                        lambda g=g, r=r, c=c: [cuda_mma.launch(xq.values, xq.global_scale, w, out, rw=r, cps=c, wgmma=g)
+                                               for w in w_t]) / len(w_t)
+                        for g, r, c in SMALL_SWEEP if c <= k // cuda_mma.CHUNK}
                 if m in (1, 16):                          # quantizer + kernel (PDL) by stages: the weight chunks a
                     def chain(st):                        # warp has in flight while the quantizer still runs
                         for w in w_t:
@@ -521,6 +530,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   + _swept(r, "mma_stages_cps_ms", "tiled by stages,cps")
                   + _swept(r, "mma_tiled_linear_stages_ms", "linear by stages")
                   + _swept(r, "mma_nt_rw_cps_ms", "tiled by nt,rw,cps")
+                  + _swept(r, "small_rw_cps_ms", "tiled by rw,cps")
                   + _swept(r, "wgmma_nt_rw_cps_ms", "wgmma by nt,rw,cps"))
     for r in by("linear"):
         if "exact_codes_kernel_ms" in r:

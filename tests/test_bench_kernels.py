@@ -15,7 +15,8 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
                      speedup_vs_cublas=1.58, weight_gbps=1800.0, weight_frac_copy=0.42, mma_kernel_ms=0.0303,
                      mma_tiled_kernel_ms=0.0301, mma_tiled_linear_ms=0.0322, wgmma_tiled_kernel_ms=0.0221,
                      cluster_tiled_kernel_ms=0.0262, global_tiled_kernel_ms=0.0301,
-                     act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301}, persist_stages_ms={2: 0.0290, 8: math.nan},
+                     act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301},
+                     small_rw_cps_ms={"mma 8,8": 0.0301, "wgmma 16,16": math.nan}, persist_stages_ms={2: 0.0290, 8: math.nan},
                      prefetch_ms={"one-tile": 0.0295, "persistent": 0.0280},
                      persist_nt_rw_ms={"mma 4,8,8": 0.030, "wgmma 8,16,8": math.nan},
                      same_bits={"cluster": True, "global": True, "persist s2": False, "persist s8": None},
@@ -49,6 +50,7 @@ def test_tables_print_every_column_and_candidate():
             "1200.0) 8 MiB: 1300.0 (0.92x), 32 MiB: nan (nanx) us") in text
     wide = next(x for x in lines if x.strip().startswith("8B gate_up") and " 4096 " in x)
     assert "1450.0   1300.0    nan" in wide                        # bf16, exact, codes columns
+    assert "tiled by stages,cps 3,8: 30.1; tiled by rw,cps mma 8,8: 30.1, wgmma 16,16: nan" in text
     assert "64 tokens, mma, warpgroup-MMA variant: NT 1: 210.0 us" in text
     assert "64 tokens, mma by split-K slice (chunks): 4: 307.7, 8: 290.0, 16: nan us" in text
     assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
