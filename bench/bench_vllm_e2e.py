@@ -30,11 +30,13 @@ configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost aga
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
 tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every size
 (NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens), --no-pdl with the decode kernel
-launched as an ordinary (not programmatic dependent) launch after the quantizer (NVFP4_SAMPLER_PDL=0): the
+launched as an ordinary (not programmatic dependent) launch after the quantizer (NVFP4_SAMPLER_PDL=0),
+--global-split-k with split-K through global planes instead of clusters (NVFP4_SAMPLER_SPLIT_K=global): the
 kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--no-pdl] [--out FILE.json]
+                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--no-pdl]
+                                    [--global-split-k] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -91,6 +93,8 @@ KERNEL_VARIANTS = {
     "nvfp4_one_tile": ("--one-tile", {"NVFP4_SAMPLER_PERSIST": "0"}, "one tile a CTA at every size"),
     "nvfp4_no_pdl": ("--no-pdl", {"NVFP4_SAMPLER_PDL": "0"},
                      "the decode kernel launched after the quantizer, not as its programmatic dependent"),
+    "nvfp4_global": ("--global-split-k", {"NVFP4_SAMPLER_SPLIT_K": "global"},
+                     "split-K through global FP32 planes instead of thread-block clusters (no cluster launches)"),
 }
 
 
