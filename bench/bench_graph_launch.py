@@ -1,8 +1,8 @@
 """Host cost of launching a decode step's linears as one CUDA graph, by launch form (one CUDA GPU).
 
-The twelfth session's e2e profile (docs/BENCHMARKS.md, H100, qwen3-8b at batch 64) found the nvfp4 engine's
-host spending 1145 us a step in cudaGraphLaunch against BF16's 584, and its GPU waiting 444 us a step for
-the host. This bench isolates that: the Qwen3-8B linears (qkv, o, gate_up, down) of LAYERS layers at M
+The twelfth session's e2e profile (docs/BENCHMARKS.md, H100, qwen3-8b at batch 64) read the nvfp4 engine's
+host spending 1145 us a step in cudaGraphLaunch against BF16's 584 (the eleventh's, H200: 821 vs 837), and
+its GPU waiting 444 us a step for the host. This bench measures the launch alone: the Qwen3-8B linears (qkv, o, gate_up, down) of LAYERS layers at M
 tokens, captured as one CUDA graph per form, as engines run them (per-token quantizer, then `cuda_mma`):
 BF16 cuBLAS (`torch.mm`), and nvfp4 with and without programmatic dependent launch (`cuda_mma.PDL`) and with
 split-K through thread-block clusters or global planes (`cuda_mma.CLUSTER`). For each: kernels a step, the

@@ -95,8 +95,8 @@ PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 # Programmatic dependent launch: the decode kernel's CTAs start (and load weights) while the activation
 # quantizer before it still runs; its griddepcontrol.wait orders the activation reads after the quantizer's
 # writes, so "0" (an ordinary launch, the wait then a no-op) gives the same bits. A switch for the e2e bench
-# (`bench_vllm_e2e.py --no-pdl`): on the H100 (twelfth session) a batch-64 decode step of the nvfp4 engine
-# spent 1145 us in cudaGraphLaunch against BF16's 584, and the GPU waited 444 us a step for the host
+# (`bench_vllm_e2e.py --no-pdl`) and `bench/bench_graph_launch.py`: whether programmatic launches cost the
+# host more in a CUDA graph's launch (H100, twelfth session, batch 64: 1145 vs BF16's 584 us a step)
 PDL = _env_choice("NVFP4_SAMPLER_PDL", ("1", "0")) == "1"
 
 
