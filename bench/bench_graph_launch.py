@@ -4,7 +4,7 @@ The twelfth session's e2e profile (docs/BENCHMARKS.md, H100, qwen3-8b at batch 6
 host spending 1145 us a step in cudaGraphLaunch against BF16's 584 (the eleventh's, H200: 821 vs 837), and
 its GPU waiting 444 us a step for the host. This bench measures the launch alone: the Qwen3-8B linears (qkv, o, gate_up, down) of LAYERS layers at M
 tokens, captured as one CUDA graph per form, as engines run them (per-token quantizer, then `cuda_mma`):
-BF16 cuBLAS (`torch.mm`), and nvfp4 with and without programmatic dependent launch (`cuda_mma.PDL`) and with
+BF16 cuBLAS (`torch.mm`), and nvfp4 with and without programmatic dependent launch (`cuda_mma.PDL` "1" / "0") and with
 split-K through thread-block clusters or global planes (`cuda_mma.CLUSTER`). For each: kernels a step, the
 host's time in one `replay()` (cudaGraphLaunch) with the GPU idle before it, and the GPU's time a step
 (CUDA events), medians of REPEATS. Every form gives the same bits (tests/test_gpu_mma_persist.py); one
@@ -24,8 +24,8 @@ import torch
 from nvfp4_sampler.kernels import cuda_mma, triton_gemm, triton_quant
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # (N, K)
-FORMS = {"nvfp4": (True, True), "nvfp4 no PDL": (False, True),        # name: (PDL, split-K through clusters)
-         "nvfp4 global split-K": (True, False), "nvfp4 neither": (False, False)}
+FORMS = {"nvfp4 PDL": ("1", True), "nvfp4 no PDL": ("0", True),     # name: (`cuda_mma.PDL`, split-K through clusters)
+         "nvfp4 PDL global split-K": ("1", False), "nvfp4 global split-K": ("0", False)}
 REPEATS = 50
 
 

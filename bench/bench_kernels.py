@@ -259,7 +259,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 w_t = [cuda_mma.tile_weight(w) for w in w_q]
                 row["mma_tiled_kernel_ms"] = graph_ms(
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
-                row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL)
+                row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL at M = 1)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
                 tuned = cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(x.device))
                 row["same_bits"] = same_bits_forms(xq, w_t[0], out, tuned)
@@ -284,7 +284,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                         lambda t=t, r=r, g=g, c=c: [cuda_mma.launch(xq.values, xq.global_scale, w, out, nt=t, rw=r,
                                                                     wgmma=g, cps=c, persist=True) for w in w_t]) / len(w_t)
                         for g, t, r, c in PERSIST_SWEEP if c <= k // cuda_mma.CHUNK}
-                if tuned:                                 # the default above 16 tokens: `throughput_options`' launch
+                if tuned:                                 # the default from 9 tokens: `throughput_options`' launch
                     row["mma_tiled_tuned_kernel_ms"] = graph_ms(
                         lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **tuned) for w in w_t]) / len(w_t)
                 if sweep_configs and m in (1, 16, 64):    # warps of 16 rows per CTA (`cuda_mma.tiles`)

@@ -29,13 +29,14 @@ configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost aga
 --wgmma adds nvfp4_sampler with `cuda_mma`'s warpgroup-MMA variant in every decode launch
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
 tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every size
-(NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens), --no-pdl with the decode kernel
-launched as an ordinary (not programmatic dependent) launch after the quantizer (NVFP4_SAMPLER_PDL=0),
+(NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens), --pdl with the decode kernel
+launched as a programmatic dependent of the quantizer at every size (NVFP4_SAMPLER_PDL=1; the default: at
+batch 1 only),
 --global-split-k with split-K through global planes instead of clusters (NVFP4_SAMPLER_SPLIT_K=global): the
 kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
-                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--no-pdl]
+                                    [--dynamo] [--wgmma] [--exact] [--one-tile] [--pdl]
                                     [--global-split-k] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
@@ -91,8 +92,8 @@ KERNEL_VARIANTS = {
     "nvfp4_wgmma": ("--wgmma", {"NVFP4_SAMPLER_MMA": "wgmma"}, "the wgmma decode kernel in every launch"),
     "nvfp4_exact": ("--exact", {"NVFP4_SAMPLER_EXACT_MIN_M": "33"}, "the Triton exact GEMM at 33-64 tokens"),
     "nvfp4_one_tile": ("--one-tile", {"NVFP4_SAMPLER_PERSIST": "0"}, "one tile a CTA at every size"),
-    "nvfp4_no_pdl": ("--no-pdl", {"NVFP4_SAMPLER_PDL": "0"},
-                     "the decode kernel launched after the quantizer, not as its programmatic dependent"),
+    "nvfp4_pdl": ("--pdl", {"NVFP4_SAMPLER_PDL": "1"},
+                  "the decode kernel a programmatic dependent of the quantizer at every size"),
     "nvfp4_global": ("--global-split-k", {"NVFP4_SAMPLER_SPLIT_K": "global"},
                      "split-K through global FP32 planes instead of thread-block clusters (no cluster launches)"),
 }

@@ -80,7 +80,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --one-tile
                               --out $OUT/bench_vllm_e2e_persist.json" ;;   # full depth, three engines (~420 s)
     bench_graph_launch) limit=300; cmd="python3 bench/bench_graph_launch.py --json $OUT/bench_graph_launch.json" ;;
-    bench_e2e_pdl) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --no-pdl
+    bench_e2e_pdl) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --pdl
                               --out $OUT/bench_vllm_e2e_pdl.json" ;;   # full depth, three engines (~430 s)
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;

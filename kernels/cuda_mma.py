@@ -44,6 +44,16 @@ TILES = ((8, 1, 4), (16, 2, 8), (None, 4, 8))
 # shorter slices or narrower CTAs that stage the same activations more often (8B o at M = 64: 15.8 us with
 # 128 CTAs, 24.9 with 256; 8B down at M = 64: 38.2 with 16 warps on wgmma, 50.5 with 8 on mma.sync)
 THROUGHPUT_MIN_M = 17
+# The default path at M = SMALL_MIN_M-16 (`TILES`' second row, 8 warps): about SMALL_SLICES split-K slices
+# (at most _MAX_CPS chunks each) where that is longer than `config`'s slice and the launch still has
+# SMALL_MIN_CTAS CTAs (one wave of a 132-SM H100 / H200), else `config`'s. H100 (tenth, twelfth and thirteenth
+# sessions, kernel alone on tiled weights at M = 16, us with 4 / 8 / 16 chunks a slice): 8B qkv 15.2 / 11.7 /
+# 12.6 (it takes 8), o 10.7 / 11.2 / 12.1 (8 would leave 128 CTAs: `config`'s 4), gate_up 39.7 / 33.7 / 36.7
+# (`config`'s 8), down 29.1 / 21.6 / 18.5 against `config`'s 12: 20.2 (it takes 16); at M = 1 the slices tie
+# (qkv 9.7 / 9.8), so M <= 8 keeps `config`'s. The 1.7B and 30B-A3B attention shapes keep `config`'s
+SMALL_MIN_M = 9
+SMALL_SLICES = 4
+SMALL_MIN_CTAS = 132
 THROUGHPUT_TILES = ((16, 16), (8, 16), (8, 8))   # (RW, CPS), fewest CTAs first
 THROUGHPUT_MIN_CTAS = 96                         # about 3/4 of an H200's 132 SMs
 STAGES = 3                # chunks in each warp's cp.async ring: on the H200 3 beat 4 and 6 at M = 16-64, and
@@ -94,10 +104,22 @@ PERSIST_MIN_M = 17
 PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 # Programmatic dependent launch: the decode kernel's CTAs start (and load weights) while the activation
 # quantizer before it still runs; its griddepcontrol.wait orders the activation reads after the quantizer's
-# writes, so "0" (an ordinary launch, the wait then a no-op) gives the same bits. A switch for the e2e bench
-# (`bench_vllm_e2e.py --no-pdl`) and `bench/bench_graph_launch.py`: whether programmatic launches cost the
-# host more in a CUDA graph's launch (H100, twelfth session, batch 64: 1145 vs BF16's 584 us a step)
-PDL = _env_choice("NVFP4_SAMPLER_PDL", ("1", "0")) == "1"
+# writes, so an ordinary launch (the wait then a no-op) gives the same bits. NVFP4_SAMPLER_PDL: "auto" (the
+# default) programmatic at M <= PDL_MAX_M tokens only, "1" every launch, "0" none. In vLLM (H100, thirteenth
+# session, qwen3-8b x 36 compiled, one run, medians of 5) launches without it decoded 1.14x / 1.11x the
+# tokens/s at batch 16 / 64 for the same GPU time in the GEMMs (2898 vs 2907, 4607 vs 4682 us a step), and
+# 0.96x at batch 1 (268 vs 279 tokens/s, spreads of 5 apart); as one CUDA graph of the 8B linears x 36 layers
+# (`bench/bench_graph_launch.py`) programmatic launches cost the host's cudaGraphLaunch 254 vs 153 us
+# (M = 16) and 220 vs 163 (M = 64) for the GPU's 3362 vs 3310 and 5017 vs 5224 us
+PDL = _env_choice("NVFP4_SAMPLER_PDL", ("auto", "0", "1"))
+PDL_MAX_M = 1
+
+
+def pdl_default(m: int, mode: str | None = None) -> bool:
+    """Whether a launch of m tokens is a programmatic dependent of the quantizer before it (mode:
+    NVFP4_SAMPLER_PDL's value; None: `PDL`, read at each launch so that a benchmark can set it)."""
+    mode = PDL if mode is None else mode
+    return mode == "1" or (mode == "auto" and m <= PDL_MAX_M)
 
 
 def persist_default(m: int | float, grouped: bool, mode: str = _PERSIST) -> bool:
@@ -153,13 +175,19 @@ def prepare(device: torch.device) -> tuple[bool, str]:
 
 def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> dict:
     """`launch` overrides (rw, cps, wgmma) for M tokens on an [N, K] weight where batch invariance is not
-    asked for: none up to THROUGHPUT_MIN_M - 1 (`config` and `tiles`); above, the first of THROUGHPUT_TILES
+    asked for: none below SMALL_MIN_M (`config` and `tiles`); to THROUGHPUT_MIN_M - 1 the longer split-K
+    slice of SMALL_SLICES slices where it keeps SMALL_MIN_CTAS CTAs; above, the first of THROUGHPUT_TILES
     whose launch has THROUGHPUT_MIN_CTAS CTAs (else the last), 16 warps as warpgroup MMAs where the device
     has them (warpgroup: `has_wgmma`). The split-K slice then depends on M, so a row's bits may differ
-    between M <= 16 and M > 16."""
-    if m < THROUGHPUT_MIN_M:
+    between M < SMALL_MIN_M and larger batches (strict mode takes `config`'s at every M)."""
+    if m < SMALL_MIN_M:
         return {}
-    chunks, m_tiles = k // CHUNK, -(-m // (8 * tiles(m)[0]))
+    chunks, (nt, rw) = k // CHUNK, tiles(m)
+    m_tiles = -(-m // (8 * nt))
+    if m < THROUGHPUT_MIN_M:
+        cps = min(_MAX_CPS, -(-chunks // SMALL_SLICES))
+        longer = cps > config(n, k)["CPS"] and -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= SMALL_MIN_CTAS
+        return dict(cps=cps) if longer else {}
     for rw, cps in THROUGHPUT_TILES:
         cps = min(cps, chunks)
         if -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= THROUGHPUT_MIN_CTAS:
@@ -504,7 +532,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, resident)
         if not 1 <= ctas <= row_ctas:
             raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
-    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=PDL,
+    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=pdl_default(m),
             cluster=cfg["S"] if cluster else 1)
     return out
 

@@ -216,14 +216,29 @@ def test_persistent_ctas_by_default_on_dense_launches_from_persist_min_m_tokens(
     assert {cuda_mma.tiles(m)[0] for m in range(cuda_mma.PERSIST_MIN_M, 5000)} == {cuda_mma.tiles(cuda_mma.PERSIST_MIN_M)[0]}
 
 
-def test_throughput_options_only_above_16_tokens_and_only_prepared_variants():
-    """The default path's faster launch above 16 tokens (not batch-invariant): the first (RW, CPS) of
+def test_programmatic_launches_by_default_at_one_token_only():
+    """NVFP4_SAMPLER_PDL "auto" (the default): the decode kernel is a programmatic dependent of the
+    quantizer at PDL_MAX_M = 1 token (vLLM, H100: 1.04x the tokens/s at batch 1), an ordinary launch above
+    (1.14x / 1.11x at batch 16 / 64); "1" every launch, "0" none."""
+    pd = cuda_mma.pdl_default
+    assert cuda_mma.PDL in ("auto", "0", "1")
+    assert [pd(m, "auto") for m in (1, 2, 16, 64)] == [True, False, False, False]
+    assert pd(64, "1") and not pd(1, "0")
+
+
+def test_throughput_options_only_above_8_tokens_and_only_prepared_variants():
+    """The default path's faster launch (not batch-invariant) above 16 tokens: the first (RW, CPS) of
     THROUGHPUT_TILES with THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs where the device has them.
     The fastest forms measured on the H200 (8B, persistent, M = 32 / 64; the 1.7B sweep of the fifth
     session) are what it picks; every (NT, RW) a forward may take is compiled by `prepare`, and its shared
     memory fits, in the persistent form too."""
     opt = cuda_mma.throughput_options
     assert opt(16, 24576, 4096, warpgroup=True) == {}
+    # M = 9-16: the longer slice (about SMALL_SLICES of them) where it keeps a wave of CTAs, as measured
+    # fastest on the H100 at M = 16: 8B qkv 8 chunks, down 16; o and gate_up keep `config`'s; M <= 8 too
+    assert [opt(m, 6144, 4096) for m in (1, 8, 9, 16)] == [{}, {}, dict(cps=8), dict(cps=8)]
+    assert opt(16, 4096, 12288) == dict(cps=16) and opt(16, 4096, 4096) == {}
+    assert all(opt(16, n, k) == {} for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144)))  # 1.7B
     picks = {   # (M, N, K): (RW, CPS), the measured fastest
         (32, 6144, 4096): (8, 16), (64, 6144, 4096): (16, 16),       # 8B qkv (M = 32: 15.9 vs the best 15.4 us)
         (32, 4096, 4096): (8, 8), (64, 4096, 4096): (8, 16),         # 8B o
@@ -357,13 +372,13 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
                                              ("NVFP4_SAMPLER_SPLIT_K", "CLUSTER", ("global", "cluster")),
                                              ("NVFP4_SAMPLER_PERSIST", "PERSIST", ("0", "1")),
                                              ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1")),
-                                             ("NVFP4_SAMPLER_PDL", "PDL", ("0", "1"))])
+                                             ("NVFP4_SAMPLER_PDL", "pdl_default(2)", ("0", "1"))])
 def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
     """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),
     NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"), NVFP4_SAMPLER_PERSIST
     persistent CTAs at every launch ("1"; "0" none, "auto" by size), NVFP4_SAMPLER_PREFETCH the L2
-    prefetch ("0" or "1") and NVFP4_SAMPLER_PDL the programmatic dependent launch ("1", or "0": an ordinary
-    launch); anything else stops the import with the variable's name."""
+    prefetch ("0" or "1") and NVFP4_SAMPLER_PDL the programmatic dependent launch ("1" every launch, "0"
+    none, "auto" by size); anything else stops the import with the variable's name."""
     import os
     import sys
     code = f"from nvfp4_sampler.kernels import cuda_mma; print(cuda_mma.{attr})"

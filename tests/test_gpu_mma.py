@@ -168,7 +168,8 @@ def test_mma_fp16_output(mods):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288)])
 def test_mma_is_batch_invariant(mods, n, k):
     """batch_invariant=True (strict mode): row r of a batch equals the same row computed alone, bitwise,
-    whatever the batch size. The default takes `throughput_options` above 16 rows: within the bound."""
+    whatever the batch size. The default takes `throughput_options` from 9 rows (at M <= 16 a longer slice on
+    some shapes; not these): within the bound."""
     _, tg, _ = mods
     x = _x(40, k, seed=3)
     w = _w(n, k, seed=4, per_row=True)
@@ -176,7 +177,7 @@ def test_mma_is_batch_invariant(mods, n, k):
     for m in (2, 7, 16, 40):
         assert torch.equal(tg.linear(x[:m], w, path="mma", batch_invariant=True), alone[:m]), f"batch {m}"
     assert torch.equal(tg.linear(x[5:21], w, path="mma", batch_invariant=True), alone[5:21]), "other companions"
-    assert torch.equal(tg.linear(x[:16], w, path="mma"), alone[:16])          # the same launch up to 16 rows
+    assert torch.equal(tg.linear(x[:16], w, path="mma"), alone[:16])          # the same launch up to 16 rows on these shapes
     _check(tg.linear(x, w, path="mma"), x, w, None)
 
 
@@ -230,7 +231,7 @@ def test_dequantize_tiled_equals_the_modelopt_dequantizer(mods, n, k):
 def test_hopper_mma_backend_linear(mods, m):
     """The backend engines pick for dense layers: tiled weights, mma up to 64 tokens (M = 1 included),
     the exact-BF16 path beyond; within the bound of the reference, and each row batch-invariant up to 16
-    (above, `cuda_mma.throughput_options` changes the split-K slice)."""
+    on this shape (`cuda_mma.throughput_options` changes the split-K slice above, and from 9 rows on some)."""
     cuda_mma, _, _ = mods
     from nvfp4_sampler.kernels import dispatch
     x, w = _x(m, 2048, seed=21), _w(640, 2048, seed=22, per_row=True)

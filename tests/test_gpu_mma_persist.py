@@ -67,14 +67,14 @@ def test_l2_prefetch_gives_the_same_bits(mods, m, persist, cluster):
 
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_an_ordinary_launch_gives_the_programmatic_dependents_bits(mods, m, monkeypatch):
-    """NVFP4_SAMPLER_PDL=0 (`cuda_mma.PDL`, the e2e bench's --no-pdl engine): the kernel launched right after
-    the quantizer without the programmatic-dependent attribute gives the same bits (its griddepcontrol.wait
+    """NVFP4_SAMPLER_PDL (`cuda_mma.PDL`; "1": the e2e bench's --pdl engine): the kernel launched right after
+    the quantizer with and without the programmatic-dependent attribute gives the same bits (its griddepcontrol.wait
     is then a no-op), one tile a CTA and persistent, at the default launch of each size."""
     cuda_mma, tg, _ = mods
     for n, k in ((640, 2048), (4096, 4096), (2064, 12288)):
         x, w = _x(m, k, seed=m + 11), cuda_mma.tile_weight(_w(n, k, seed=n + 13, per_row=False))
         outs = []
-        for pdl in (True, False):
+        for pdl in ("1", "0"):
             monkeypatch.setattr(cuda_mma, "PDL", pdl)
             outs.append(tg.linear(x, w, path="mma"))      # the quantizer, then the kernel, as engines run it
         torch.cuda.synchronize()
