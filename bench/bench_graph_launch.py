@@ -1,14 +1,16 @@
 """Host cost of launching a decode step's linears as one CUDA graph, by launch form (one CUDA GPU).
 
 The twelfth session's e2e profile (docs/BENCHMARKS.md, H100, qwen3-8b at batch 64) read the nvfp4 engine's
-host spending 1145 us a step in cudaGraphLaunch against BF16's 584 (the eleventh's, H200: 821 vs 837), and
-its GPU waiting 444 us a step for the host. This bench measures the launch alone: the Qwen3-8B linears (qkv, o, gate_up, down) of LAYERS layers at M
-tokens, captured as one CUDA graph per form, as engines run them (per-token quantizer, then `cuda_mma`):
-BF16 cuBLAS (`torch.mm`), and nvfp4 with and without programmatic dependent launch (`cuda_mma.PDL` "1" / "0") and with
-split-K through thread-block clusters or global planes (`cuda_mma.CLUSTER`). For each: kernels a step, the
-host's time in one `replay()` (cudaGraphLaunch) with the GPU idle before it, and the GPU's time a step
-(CUDA events), medians of REPEATS. Every form gives the same bits (tests/test_gpu_mma_persist.py); one
-layer's weights serve every layer (the launches, not the weights' bytes, are what is timed).
+host spending 1145 us a step in cudaGraphLaunch against BF16's 584, and its GPU waiting 444 us a step for the
+host. This bench measures the launch alone: the Qwen3-8B linears (qkv, o, gate_up, down) of LAYERS layers at
+M tokens, captured as one CUDA graph per form, as engines run them (per-token quantizer, then `cuda_mma`):
+BF16 cuBLAS (`torch.mm`), and nvfp4 with and without programmatic dependent launch (`cuda_mma.PDL` "1" /
+"0") and with split-K through thread-block clusters or global planes (`cuda_mma.CLUSTER`). For each: kernels
+a step, the host's time in one `replay()` (cudaGraphLaunch) with the GPU idle before it, and the GPU's time a
+step (CUDA events), medians of REPEATS. Every form gives the same bits (tests/test_gpu_mma_persist.py); one
+layer's weights serve every layer (the launches, not the weights' bytes, are what is timed). Its first run
+(thirteenth session, H100) found the programmatic launches the host's extra cost (M = 16: 254 vs 153 us),
+which the e2e bench confirmed; the default launches them at one token only since (`cuda_mma.pdl_default`).
 
     python3 bench/bench_graph_launch.py [--layers 36] [--ms 16,64] [--json FILE]
 """
