@@ -177,8 +177,27 @@ def test_mma_is_batch_invariant(mods, n, k):
     for m in (2, 7, 16, 40):
         assert torch.equal(tg.linear(x[:m], w, path="mma", batch_invariant=True), alone[:m]), f"batch {m}"
     assert torch.equal(tg.linear(x[5:21], w, path="mma", batch_invariant=True), alone[5:21]), "other companions"
-    assert torch.equal(tg.linear(x[:16], w, path="mma"), alone[:16])          # the same launch up to 16 rows on these shapes
+    assert torch.equal(tg.linear(x[:16], w, path="mma"), alone[:16])          # up to 16 rows on these shapes
     _check(tg.linear(x, w, path="mma"), x, w, None)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_default_takes_a_longer_slice_at_9_to_16_rows(mods, n, k):
+    """On 8B qkv and down (`cuda_mma.throughput_options`: 8 and 16 chunks a slice, clusters of 4 and 6) the
+    default path at 9-16 rows launches the longer slice on tiled weights, as engines store them: within the
+    reference's bound, the bits of that launch; up to 8 rows `config`'s slice."""
+    cuda_mma, tg, tq = mods
+    x, w0 = _x(16, k, seed=n + 1), _w(n, k, seed=n + 2, per_row=True)
+    w = cuda_mma.tile_weight(w0)
+    opt = cuda_mma.throughput_options
+    assert opt(8, n, k) == {} and opt(9, n, k)["cps"] > cuda_mma.config(n, k)["CPS"]
+    for m in (9, 16):
+        got = tg.linear(x[:m], w, path="mma")
+        a = tq.quantize_per_token_exact(x[:m], dtype=torch.float16)
+        want = torch.empty_like(got)
+        cuda_mma.launch(a.values, a.global_scale, w, want, **opt(m, n, k))
+        assert torch.equal(got, want), m
+        _check(got, x[:m], w0, None)
 
 
 def test_linear_takes_mma_for_decode(mods):

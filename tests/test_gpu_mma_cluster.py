@@ -13,12 +13,13 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("m", [1, 16, 40, 64, 100])
 @pytest.mark.parametrize("n,k,cps", [(640, 2048, None), (4096, 4096, None), (4096, 4096, 16), (256, 8192, 8),
-                                     (4096, 12288, None), (2048, 2048, 8)])
+                                     (4096, 12288, None), (2048, 2048, 8),
+                                     (6144, 4096, 8), (4096, 12288, 16)])   # S = 4, 6: the default at 9-16 rows
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_cluster_split_k_gives_the_global_planes_bits(mods, m, n, k, cps, wgmma):
     """`launch(cluster=True)`: the S split-K CTAs of a tile add their partial sums through a thread-block
     cluster's shared memory, in the order the global FP32 planes are added: the same bits for the same
-    slices (S = 2-8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the reference's
+    slices (S = 2, 4, 6, 8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the reference's
     bound; CUDA-graph replay too."""
     cuda_mma, _, tq = mods
     x, w = _x(m, k, seed=m + k), _w(n, k, seed=n + 7, per_row=True)
