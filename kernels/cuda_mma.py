@@ -183,14 +183,16 @@ def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> di
     if m < SMALL_MIN_M:
         return {}
     chunks, (nt, rw) = k // CHUNK, tiles(m)
-    m_tiles = -(-m // (8 * nt))
+
+    def ctas(rw: int, cps: int) -> int:        # CTAs of a launch of rw warps and cps-chunk slices
+        return -(-n // (16 * rw)) * -(-chunks // cps) * -(-m // (8 * nt))
+
     if m < THROUGHPUT_MIN_M:
         cps = min(_MAX_CPS, -(-chunks // SMALL_SLICES))
-        longer = cps > config(n, k)["CPS"] and -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= SMALL_MIN_CTAS
-        return dict(cps=cps) if longer else {}
+        return dict(cps=cps) if cps > config(n, k)["CPS"] and ctas(rw, cps) >= SMALL_MIN_CTAS else {}
     for rw, cps in THROUGHPUT_TILES:
         cps = min(cps, chunks)
-        if -(-n // (16 * rw)) * -(-chunks // cps) * m_tiles >= THROUGHPUT_MIN_CTAS:
+        if ctas(rw, cps) >= THROUGHPUT_MIN_CTAS:
             break
     return dict(rw=rw, cps=cps) | ({"wgmma": True} if throughput_wgmma(rw, warpgroup) else {})
 

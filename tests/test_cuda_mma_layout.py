@@ -227,8 +227,8 @@ def test_programmatic_launches_by_default_at_one_token_only():
 
 
 def test_throughput_options_only_above_8_tokens_and_only_prepared_variants():
-    """The default path's faster launch (not batch-invariant) above 16 tokens: the first (RW, CPS) of
-    THROUGHPUT_TILES with THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs where the device has them.
+    """The default path's faster launch (not batch-invariant): at 9-16 tokens a longer split-K slice where
+    it keeps a wave of CTAs; above 16 tokens the first (RW, CPS) of THROUGHPUT_TILES with THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs where the device has them.
     The fastest forms measured on the H200 (8B, persistent, M = 32 / 64; the 1.7B sweep of the fifth
     session) are what it picks; every (NT, RW) a forward may take is compiled by `prepare`, and its shared
     memory fits, in the persistent form too."""

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 def test_cluster_split_k_gives_the_global_planes_bits(mods, m, n, k, cps, wgmma):
     """`launch(cluster=True)`: the S split-K CTAs of a tile add their partial sums through a thread-block
     cluster's shared memory, in the order the global FP32 planes are added: the same bits for the same
-    slices (S = 2, 4, 6, 8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the reference's
-    bound; CUDA-graph replay too."""
+    slices (S = 2, 4, 6, 8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the
+    reference's bound; CUDA-graph replay too."""
     cuda_mma, _, tq = mods
     x, w = _x(m, k, seed=m + k), _w(n, k, seed=n + 7, per_row=True)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
