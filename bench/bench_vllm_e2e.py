@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS = 32, 128
 BATCHES = (1, 16, 64)
-PROFILED = (16, 64)     # the batches whose decode steps are profiled
+PROFILED = (16, 64)     # the batches whose decode steps are profiled (--profiled)
 FULL = (("qwen3-1.7b", 28), ("qwen3-8b", 36), ("qwen3-30b-a3b", 16))
 QUICK = (("qwen3-1.7b", 8), ("qwen3-30b-a3b", 2))
 CAPTURE = [1, 2, 4, 8, 16, 32, 64]
@@ -113,11 +113,11 @@ def profiler_config(trace_dir: str | Path) -> dict:
             "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
 
 
-def worker(model: str, quant: str, mode: str, out: str) -> None:
+def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
     """One engine (quant: "bf16", "nvfp4_sampler", STRICT: nvfp4_sampler in strict mode, DYNAMO:
     nvfp4_sampler with `compilation_config.backend = "eager"`, or a KERNEL_VARIANTS engine): decode
-    tokens/s per batch size (median and spread of REPEATS) and per-step profiles at the PROFILED batches,
-    written to `out` as JSON as they come."""
+    tokens/s per batch size (median and spread of REPEATS) and per-step profiles at the batches in
+    `profiled` (comma-separated), written to `out` as JSON as they come."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core in its own process
     strict, engine_mode = {}, MODES[mode]
@@ -160,7 +160,7 @@ def worker(model: str, quant: str, mode: str, out: str) -> None:
         result["tokens_per_s"][b] = rates[REPEATS // 2]
         result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
-    for b in PROFILED:
+    for b in map(int, profiled.split(",")):
         result["profiles"][b] = profile_decode(llm, run, b, trace_dir)
         result["profiles"][b]["wall_us_per_step_unprofiled"] = b / result["tokens_per_s"][b] * 1e6
         Path(out).write_text(json.dumps(result))
@@ -273,10 +273,15 @@ def main() -> None:
     for name, (flag, _, text) in KERNEL_VARIANTS.items():
         ap.add_argument(flag, action="append_const", const=name, dest="variants", help=f"also nvfp4_sampler: {text}")
     ap.add_argument("--out", default=str(Path(os.environ.get("OUT", ".")) / "bench_vllm_e2e.json"))
-    ap.add_argument("--worker", nargs=4, metavar=("MODEL", "QUANT", "MODE", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--profiled", default=",".join(map(str, PROFILED)),
+                    help="comma-separated batches whose decode steps are profiled (of %s)" % (BATCHES,))
+    ap.add_argument("--worker", nargs=5, metavar=("MODEL", "QUANT", "MODE", "OUT", "PROFILED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
+    profiled = tuple(int(b) for b in args.profiled.split(","))
+    if not set(profiled) <= set(BATCHES):
+        ap.error(f"--profiled takes batches of {BATCHES}, got {args.profiled}")
     import torch
 
     from nvfp4_sampler.testing.checkpoints import build
@@ -296,7 +301,8 @@ def main() -> None:
         entry = results["models"][shape] = {"layers": layers}
         for quant in quants:
             out = tmp / f"{shape}-{quant}.json"
-            proc = subprocess.run([sys.executable, __file__, "--worker", str(path), quant, args.mode, str(out)],
+            proc = subprocess.run([sys.executable, __file__, "--worker", str(path), quant, args.mode, str(out),
+                                   args.profiled],
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {}
             # each engine's log beside the results (vLLM's resolved CUDA graph mode, its captures, warnings)
@@ -321,7 +327,7 @@ def main() -> None:
                                 for q in quants)
             print(f"| {shape} ({entry['layers']}) | {b} | " + " | ".join(f"{tps[q] or 0:.0f}" for q in quants)
                   + " | " + " | ".join(cells) + f" | {spread} |")
-        for b in PROFILED:
+        for b in profiled:
             print(f"\nper decode step at batch {b}, {shape}: GPU us by kernel category ({' / '.join(quants)})")
             prof = {q: entry[q].get("profiles", {}).get(str(b), {}) for q in quants}
             cats = sorted(set().union(*(p.get("gpu_us_per_step", {}) for p in prof.values())))
