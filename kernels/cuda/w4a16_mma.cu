@@ -365,19 +365,37 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
   // launched as a programmatic dependent of the activation quantizer: its results are visible after this
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  for (int e = threadIdx.x; e < NT * 8 * cps * 16; e += RW * 32) {
-    const int wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (m0 + m < m_end && i < nc)
-      v = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
-    const u32 p[4] = {prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410)};
+  // Vector e of the slice: word wd of quarter tt of token m's chunk i. Each thread issues XSTAGE loads before
+  // it permutes and stores the first, so the staging waits for one L2 round trip per XSTAGE vectors (the
+  // compiler's own unroll issued 2: 8 round trips at NT = 4, RW = 16, 16 chunks). Registers at sm_90
+  // (tests/test_cuda_mma_sm90.py): NT = 2, RW = 8 63 (was 66); RW = 16 106 (was 82, one CTA an SM either
+  // way); PERSIST keeps the compiler's form (its issue side stays live here: 4 spilled at NT = 4).
+  constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 ? 8 : NT >= 2 ? 4 : 2;
+  const int staged = NT * 8 * cps * 16;
+  for (int e0 = threadIdx.x; e0 < staged; e0 += XSTAGE * RW * 32) {
+    uint4 vs[XSTAGE];
+#pragma unroll
+    for (int u = 0; u < XSTAGE; ++u) {
+      const int e = e0 + u * RW * 32, wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
+      vs[u] = make_uint4(0, 0, 0, 0);
+      if (e < staged && m0 + m < m_end && i < nc)
+        vs[u] = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
+    }
+#pragma unroll
+    for (int u = 0; u < XSTAGE; ++u) {
+      const int e = e0 + u * RW * 32, wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
+      if (e < staged) {
+        const uint4 v = vs[u];
+        const u32 p[4] = {prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410)};
 #if WGMMA
-    u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;   // pair h of the
-#pragma unroll                                                                             // step's k halves
-    for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
+        u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;   // pair h of the
+#pragma unroll                                                                                 // step's k halves
+        for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
 #else
-    xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
+        xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
 #endif
+      }
+    }
   }
 #if WGMMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the staged tiles, visible to the MMAs' reads
