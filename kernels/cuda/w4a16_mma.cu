@@ -369,7 +369,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // it permutes and stores the first, so the staging waits for one L2 round trip per XSTAGE vectors (the
   // compiler's own unroll issued 2: 8 round trips at NT = 4, RW = 16, 16 chunks). Registers at sm_90
   // (tests/test_cuda_mma_sm90.py): NT = 2, RW = 8 63 (was 66); RW = 16 106 (was 82, one CTA an SM either
-  // way); PERSIST keeps the compiler's form (its issue side stays live here: 4 spilled at NT = 4).
+  // way); 8 at NT = 4, RW = 8 spilled (ptxas held those 256-thread CTAs to 80 registers), and so did 4 under
+  // PERSIST, whose issue side stays live here: it keeps the compiler's form.
   constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 ? 8 : NT >= 2 ? 4 : 2;
   const int staged = NT * 8 * cps * 16;
   for (int e0 = threadIdx.x; e0 < staged; e0 += XSTAGE * RW * 32) {
