@@ -6,7 +6,8 @@ checkpoint). Each engine runs as users run vLLM: engine core in its own process,
 vLLM defaults it (both recorded in the JSON). Each measures, per batch size B, decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) where t(n) is the wall time of `generate` for B prompts of PROMPT_LEN tokens
 and n new tokens (greedy, ignore_eos): subtracting the one-token run removes prefill and scheduling
-start-up; the median of REPEATS pairs is reported with its range. Then a per-step breakdown at the
+start-up (t(1): the median of REPEATS runs); the median of REPEATS long runs is reported with its range, and
+every run's seconds in run order are kept in the JSON ("seconds"). Then a per-step breakdown at the
 PROFILED batches through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `stop_profile`; it runs in
 the engine core's process and writes a chrome trace there): GPU time by kernel category (ours,
 attention, BF16 GEMMs, norms and other compiled elementwise kernels, sampling), the wall time of the
@@ -143,7 +144,7 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
               profiler_config=profiler_config(trace_dir), **strict, **engine_mode)
     result = {"start_seconds": round(time.time() - t0, 1), "vllm": vllm.__version__,
               "engine_core": "separate process", "async_scheduling": async_scheduling(llm),
-              "tokens_per_s": {}, "spread": {}, "profiles": {}}
+              "tokens_per_s": {}, "spread": {}, "seconds": {}, "profiles": {}}
 
     def run(b: int, n: int) -> float:
         prompts = [{"prompt_token_ids": [(13 * i + 7 * j) % 30000 + 10 for j in range(PROMPT_LEN)]} for i in range(b)]
@@ -155,8 +156,11 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
         run(b, 8)                                                   # warm-up (JIT, allocator)
         # the prefill + first token, subtracted from each long run: its median, so that one slow short run
         # cannot turn a rate negative or huge (a spread of -1290..7066 tokens/s at batch 16 before)
-        first = statistics.median(run(b, 1) for _ in range(REPEATS))
-        rates = sorted(b * (NEW_TOKENS - 1) / (run(b, NEW_TOKENS) - first) for _ in range(REPEATS))
+        firsts = [run(b, 1) for _ in range(REPEATS)]
+        first = statistics.median(firsts)
+        longs = [run(b, NEW_TOKENS) for _ in range(REPEATS)]
+        result["seconds"][b] = {"first": firsts, "long": longs}        # in run order: drifts and outliers
+        rates = sorted(b * (NEW_TOKENS - 1) / (t - first) for t in longs)
         result["tokens_per_s"][b] = rates[REPEATS // 2]
         result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
