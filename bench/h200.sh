@@ -102,7 +102,7 @@ step() {   # step NAME: its timeout (s) and command
     ncu_mma_forms) limit=240; cmd="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none
                               -k w4a16_mma --section SpeedOfLight --section Occupancy --section WarpStateStats
                               --section MemoryWorkloadAnalysis python3 bench/profile_mma.py --m 1,16,64 --launches 1
-                              --tiled --forms one-tile,persist,prefetch,persist+prefetch" ;;
+                              --forms one-tile,persist,prefetch,persist+prefetch" ;;
     bench_sync_planned_12) limit=400; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
                               --bucket-mib 512,2048 --out $OUT/bench_sync_planned_12.json" ;;
     bench_sync_planned_24) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile

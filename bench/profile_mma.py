@@ -4,8 +4,10 @@ For each M and launch form, launches the kernel `--launches` times on a fresh we
 (the activation quantized beforehand, as in bench_kernels' "kernel alone"), in the order printed; on the
 H200 (`h200.sh ncu_mma`, `ncu_mma_forms`):
   ncu --clock-control none -k w4a16_mma --section WarpStateStats python3 bench/profile_mma.py --m 1,16,64
-Forms: "one-tile" (one row tile per CTA), "persist" (persistent CTAs), "prefetch" (the L2 prefetch of each
-warp's slice), "persist+prefetch"; the last two need --tiled (the engines' "mma_tiled" layout).
+By default the launch engines run (`triton_gemm.linear`'s mma path): the weight in the "mma_tiled" layout,
+`cuda_mma.throughput_options` from 9 tokens; --config takes `config`'s launch at every M (strict mode's),
+--modelopt the ModelOpt layout. Forms: "one-tile" (one row tile per CTA), "persist" (persistent CTAs),
+"prefetch" (the L2 prefetch of each warp's slice, tiled only), "persist+prefetch".
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096, help="input features")
     ap.add_argument("--m", default="16", help="comma-separated token counts")
     ap.add_argument("--launches", type=int, default=2, help="launches per M and form")
-    ap.add_argument("--tiled", action="store_true", help="the weight in the engines' mma_tiled layout")
+    ap.add_argument("--modelopt", action="store_true", help="the weight in the ModelOpt layout (not mma_tiled)")
+    ap.add_argument("--config", action="store_true", help="`config`'s launch at every M (strict mode's)")
     ap.add_argument("--forms", default="one-tile", help=f"comma-separated launch forms of {sorted(FORMS)}")
     args = ap.parse_args()
     n, k = args.n, args.k
@@ -37,18 +40,19 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"cuda_mma unavailable: {reason}")
     w = triton_quant.quantize_weight((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
-    if args.tiled:
+    if not args.modelopt:
         w = cuda_mma.tile_weight(w)
     for m in map(int, args.m.split(",")):
         x = triton_quant.quantize_per_token_exact(torch.randn(m, k, device=dev, dtype=torch.bfloat16),
                                                   dtype=torch.float16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        tuned = {} if args.config else cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(dev))
         for form in forms:
             for _ in range(args.launches):
-                cuda_mma.launch(x.values, x.global_scale, w, out, **FORMS[form])
+                cuda_mma.launch(x.values, x.global_scale, w, out, **tuned, **FORMS[form])
             torch.cuda.synchronize()
             print(f"[{m}, {k}] x [{n}, {k}] {w.layout}: {args.launches} launches of w4a16_mma, {form}, (NT, RW) "
-                  f"{cuda_mma.tiles(m)}, {cuda_mma.config(n, k)}")
+                  f"{cuda_mma.tiles(m)}, {cuda_mma.config(n, k)}, overrides {tuned}")
 
 
 if __name__ == "__main__":
