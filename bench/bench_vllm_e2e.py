@@ -15,7 +15,10 @@ profiled runs (their difference is GPU idle time; the profiler's host overhead i
 unprofiled wall per step (B / tokens/s), and from the trace's timeline the kernels per step and the
 GPU's idle time split into launch gaps (< GAP_SPLIT_US between busy spans) and waits for the host; on
 the host's side the CUDA graph replays, the kernels launched one by one, the torch operators, the time
-in each CUDA runtime / driver call and which GPU work each wait for the host preceded. Layer counts
+in each CUDA runtime / driver call and which GPU work each wait for the host preceded. These come from the
+difference of a long and a short profiled run; beside them the long run's own decode steps (forward to
+forward on the GPU timeline, `decode_steps`) give medians that a stall in either run cannot turn negative
+(the difference read negative host rows in the thirteenth and fourteenth sessions). Layer counts
 (shown in the table) may be cut so a run fits one device command, but cut models mislead twice: lm_head and
 embeddings are BF16 in both engines, so fewer layers weigh the common lm_head more; and vLLM's host work
 per step (~2-3 ms on the H200 machine) then outlasts the GPU step, so the ratio measures the host (the
@@ -181,8 +184,49 @@ GAP_SPLIT_US = 10.0     # GPU idle gaps shorter than this: launch gaps (between 
                         # back-to-back launches); longer: the GPU waiting for the host
 
 
-def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
-    """One chrome trace (.json or .json.gz) written by the torch profiler: (GPU microseconds per kernel
+def load_trace(path: Path) -> list[dict]:
+    """The events of a chrome trace (.json or .json.gz) written by the torch profiler."""
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def _device_events(trace: list[dict]) -> list[dict]:
+    return [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+# The first kernel of a forward: the token embedding (inductor fuses it with the first norm in compiled mode,
+# e.g. triton_red_fused__to_copy_embedding_rms_norm_0; eager runs torch's index_select)
+STEP_MARKERS = ("embedding", "indexselect")
+
+
+def decode_steps(trace: list[dict]) -> dict:
+    """Per decode step from one profiled generate's trace alone (no difference of two runs): the steps are the
+    intervals between the starts of consecutive forwards (STEP_MARKERS), the first (the prefill's) dropped;
+    medians over them of the step's period on the GPU timeline (marker to marker: what sets tokens/s while
+    the profiler runs), its busy time (kernel spans merged), its kernel count and GPU microseconds by
+    category. {} with fewer than 3 forwards."""
+    events = sorted(_device_events(trace), key=lambda e: float(e["ts"]))
+    starts = [float(e["ts"]) for e in events if any(k in e["name"].lower() for k in STEP_MARKERS)]
+    steps: list[dict] = []
+    for lo, hi in zip(starts[1:], starts[2:]):
+        inside = [e for e in events if lo <= float(e["ts"]) < hi]
+        busy, end, cats = 0.0, lo, {}
+        for e in inside:
+            start, stop = float(e["ts"]), min(hi, float(e["ts"]) + float(e["dur"]))
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+            cats[_category(e["name"])] = cats.get(_category(e["name"]), 0.0) + float(e["dur"])
+        steps.append({"period_us": hi - lo, "busy_us": busy, "kernels": float(len(inside)), "gpu_us": cats})
+    if not steps:
+        return {}
+    med = statistics.median
+    return {"steps": len(steps), **{k: med(st[k] for st in steps) for k in ("period_us", "busy_us", "kernels")},
+            "period_us_range": [min(st["period_us"] for st in steps), max(st["period_us"] for st in steps)],
+            "gpu_us": {c: med(st["gpu_us"].get(c, 0.0) for st in steps) for c in set().union(*(st["gpu_us"] for st in steps))}}
+
+
+def trace_device(trace: list[dict]) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
+    """One profiler trace's events (`load_trace`): (GPU microseconds per kernel
     name, memcpy and memset included; the timeline: "kernels" (count), "busy_us" (the union of their
     spans: kernels overlapping under programmatic dependent launch count once), "idle_short_us" / "short_gaps"
     (total and count of the gaps < GAP_SPLIT_US between busy spans, all streams merged), "idle_long_us"
@@ -191,9 +235,7 @@ def trace_device(path: Path) -> tuple[dict[str, float], dict[str, float], dict[s
     where the time went: {"host_calls": microseconds per CUDA runtime / driver call name (a blocking
     synchronize or copy shows here), "gaps_before": microseconds of the long gaps per name of the GPU
     work that ended them})."""
-    with (gzip.open if path.name.endswith(".gz") else open)(path, "rt") as f:
-        trace = json.load(f).get("traceEvents", [])
-    events = [e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    events = _device_events(trace)
     us: dict[str, float] = {}
     for e in events:
         us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
@@ -228,7 +270,7 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
     traces the profiler writes into trace_dir on stop are read back). `run(b, n)` -> wall seconds."""
     trace_dir = Path(trace_dir)
 
-    def profiled(n: int) -> tuple[dict, dict, float, list]:
+    def profiled(n: int) -> tuple[dict, dict, float, list, dict, dict]:
         before = set(trace_dir.glob("*")) if trace_dir.exists() else set()
         llm.start_profile()
         try:
@@ -241,8 +283,11 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
         kernels: dict = {}
         line: dict = {}
         where: dict = {"host_calls": {}, "gaps_before": {}}
+        steps: dict = {}
         for path in traces:                                 # one per worker (rank)
-            names, timeline, places = trace_device(path)
+            trace = load_trace(path)
+            steps = steps or decode_steps(trace)            # the first rank's
+            names, timeline, places = trace_device(trace)
             for total, part in [(kernels, names), (line, timeline)] + [(where[k], places[k]) for k in where]:
                 for name, v in part.items():
                     total[name] = total.get(name, 0.0) + v
@@ -250,13 +295,13 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
         for name, us in kernels.items():
             cats[_category(name)] = cats.get(_category(name), 0.0) + us
         top = sorted(((us, name) for name, us in kernels.items()), reverse=True)
-        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]], where
+        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]], where, steps
 
     # the one-token run before and after the long one, the faster kept: a one-off host stall in it (in the
     # 36-layer run the short run at batch 16 stalled ~60 ms) would otherwise turn the differences negative
     short_first = profiled(1)
-    long, line_long, wall_long, top, where_long = profiled(steps + 1)
-    short, line_short, wall_short, _, where_short = min(short_first, profiled(1), key=lambda r: r[2])
+    long, line_long, wall_long, top, where_long, steps_long = profiled(steps + 1)
+    short, line_short, wall_short, _, where_short, _ = min(short_first, profiled(1), key=lambda r: r[2])
     per_step = {c: (long.get(c, 0.0) - short.get(c, 0.0)) / steps for c in set(long) | set(short)}
     wall = (wall_long - wall_short) / steps * 1e6
     timeline = {f"{key}_per_step": (line_long[key] - line_short.get(key, 0.0)) / steps for key in line_long}
@@ -264,7 +309,8 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
                         for n, v in where_long[k].items()), reverse=True)[:6] for k in where_long}
     return {"batch": b, "wall_us_per_step": wall, "gpu_us_per_step": per_step,
             "gpu_total_us_per_step": sum(per_step.values()), **timeline, "top_kernels_long_run": top,
-            "host_calls_us_per_step": where["host_calls"], "long_gaps_before_us_per_step": where["gaps_before"]}
+            "host_calls_us_per_step": where["host_calls"], "long_gaps_before_us_per_step": where["gaps_before"],
+            "decode_steps": steps_long}
 
 
 def main() -> None:
@@ -348,6 +394,14 @@ def main() -> None:
             for c in cats + list(totals):
                 vals = [p.get(totals[c]) if c in totals else p.get("gpu_us_per_step", {}).get(c) for p in prof.values()]
                 print(f"  {c:55s} " + " / ".join("-" if v is None else f"{v:8.1f}" for v in vals))
+            steps = {q: p.get("decode_steps") or {} for q, p in prof.items()}
+            print("  per step of the long profiled run alone (median of its decode steps, forward to forward):")
+            for c, key in (("step on the GPU timeline (profiled)", "period_us"), ("GPU busy in it", "busy_us"),
+                           ("kernels in it (count)", "kernels")):
+                print(f"    {c:53s} " + " / ".join(f"{st[key]:8.1f}" if key in st else "-" for st in steps.values()))
+            for c in sorted(set().union(*(st.get("gpu_us", {}) for st in steps.values()))):
+                print(f"    {c:53s} " + " / ".join(f"{st['gpu_us'].get(c, 0.0):8.1f}" if st else "-"
+                                                  for st in steps.values()))
             for q in quants:
                 for key, what in (("host_calls_us_per_step", "CUDA calls on the host, us per step"),
                                   ("long_gaps_before_us_per_step", "host waits, us per step, by the GPU work after")):

@@ -48,9 +48,30 @@ def test_trace_timeline_splits_idle_into_launch_gaps_and_host_waits(tmp_path):
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    us, line, where = e2e.trace_device(path)
+    us, line, where = e2e.trace_device(e2e.load_trace(path))
     assert us == {"_act_quant_kernel": 3.0, "w4a16_mma": 30.0, "Memcpy DtoD": 1.0}
     assert line == {"kernels": 4.0, "busy_us": 33.0, "idle_short_us": 2.0, "short_gaps": 1.0, "idle_long_us": 100.0,
                     "graph_launches": 1.0, "kernel_launches": 1.0, "cpu_ops": 1.0}
     assert where == {"host_calls": {"cudaGraphLaunch": 4.0, "cudaStreamSynchronize": 90.0, "cuLaunchKernelEx": 5.0},
                      "gaps_before": {"Memcpy DtoD": 100.0}}
+
+
+def test_decode_steps_are_the_intervals_between_forwards():
+    """A prefill forward then three decode forwards (each starts with the embedding kernel): two whole decode
+    steps, the prefill's interval dropped; medians of their period, busy time, kernels and categories."""
+    kernel = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    emb = "triton_red_fused__to_copy_embedding_rms_norm_0"
+    trace = [kernel(emb, 0, 5), kernel("w4a16_mma", 5, 400),                              # prefill
+             kernel(emb, 1000, 2), kernel("_act_quant_kernel", 1002, 3), kernel("w4a16_mma", 1005, 50),
+             kernel(emb, 1100, 2), kernel("_act_quant_kernel", 1102, 3), kernel("w4a16_mma", 1104, 60),
+             kernel("w4a16_mma", 1150, 20),                                                # overlaps: busy once
+             kernel(emb, 1300, 2), kernel("w4a16_mma", 1302, 40),                          # the last forward
+             {"cat": "cpu_op", "name": "aten::embedding", "ts": 1200, "dur": 5}]           # host: no marker
+    steps = e2e.decode_steps(trace)
+    assert steps["steps"] == 2 and steps["period_us_range"] == [100.0, 200.0]
+    assert steps["period_us"] == 150.0                             # median of 100 and 200
+    assert steps["busy_us"] == (55.0 + 70.0) / 2                   # 1000..1055; 1100..1170 (overlaps once)
+    assert steps["kernels"] == 3.5
+    assert steps["gpu_us"]["nvfp4 GEMMs (linears, MoE experts)"] == (50.0 + 80.0) / 2
+    assert steps["gpu_us"]["nvfp4 activation quantization"] == 3.0
+    assert e2e.decode_steps(trace[:5]) == {}                       # two forwards: no whole decode step
