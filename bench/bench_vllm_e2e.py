@@ -195,8 +195,9 @@ def _device_events(trace: list[dict]) -> list[dict]:
 
 
 # The first kernel of a forward: the token embedding (inductor fuses it with the first norm in compiled mode,
-# e.g. triton_red_fused__to_copy_embedding_rms_norm_0; eager runs torch's index_select)
-STEP_MARKERS = ("embedding", "indexselect")
+# e.g. triton_red_fused__to_copy_embedding_rms_norm_0; eager runs torch's index_select), not the rotary
+# embedding of every layer (vllm::rotary_embedding_kernel)
+STEP_MARKERS, NOT_MARKERS = ("embedding", "indexselect"), ("rotary",)
 
 
 def decode_steps(trace: list[dict]) -> dict:
@@ -206,7 +207,8 @@ def decode_steps(trace: list[dict]) -> dict:
     the profiler runs), its busy time (kernel spans merged), its kernel count and GPU microseconds by
     category. {} with fewer than 3 forwards."""
     events = sorted(_device_events(trace), key=lambda e: float(e["ts"]))
-    starts = [float(e["ts"]) for e in events if any(k in e["name"].lower() for k in STEP_MARKERS)]
+    starts = [float(e["ts"]) for e in events if any(k in e["name"].lower() for k in STEP_MARKERS)
+              and not any(k in e["name"].lower() for k in NOT_MARKERS)]
     steps: list[dict] = []
     for lo, hi in zip(starts[1:], starts[2:]):
         inside = [e for e in events if lo <= float(e["ts"]) < hi]

@@ -65,13 +65,14 @@ def test_decode_steps_are_the_intervals_between_forwards():
              kernel(emb, 1000, 2), kernel("_act_quant_kernel", 1002, 3), kernel("w4a16_mma", 1005, 50),
              kernel(emb, 1100, 2), kernel("_act_quant_kernel", 1102, 3), kernel("w4a16_mma", 1104, 60),
              kernel("w4a16_mma", 1150, 20),                                                # overlaps: busy once
+             kernel("void vllm::rotary_embedding_kernel<c10::BFloat16, true>", 1180, 1),   # not a forward's start
              kernel(emb, 1300, 2), kernel("w4a16_mma", 1302, 40),                          # the last forward
              {"cat": "cpu_op", "name": "aten::embedding", "ts": 1200, "dur": 5}]           # host: no marker
     steps = e2e.decode_steps(trace)
     assert steps["steps"] == 2 and steps["period_us_range"] == [100.0, 200.0]
     assert steps["period_us"] == 150.0                             # median of 100 and 200
-    assert steps["busy_us"] == (55.0 + 70.0) / 2                   # 1000..1055; 1100..1170 (overlaps once)
-    assert steps["kernels"] == 3.5
+    assert steps["busy_us"] == (55.0 + 71.0) / 2                   # 1000..1055; 1100..1170 (overlaps once), 1180..1181
+    assert steps["kernels"] == 4.0                                 # 3 and 5
     assert steps["gpu_us"]["nvfp4 GEMMs (linears, MoE experts)"] == (50.0 + 80.0) / 2
     assert steps["gpu_us"]["nvfp4 activation quantization"] == 3.0
     assert e2e.decode_steps(trace[:5]) == {}                       # two forwards: no whole decode step
