@@ -95,9 +95,11 @@ step() {   # step NAME: its timeout (s) and command
     bench_e2e_1.7b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28 --profiled 1,16,64
                               --out $OUT/bench_vllm_e2e_1.7b.json" ;;
     bench_sync) limit=220; cmd="python3 bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json" ;;
+    # with the stall reasons (cycles a warp waits per issued instruction, by reason)
     ncu_mma)   limit=150; cmd="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none
                               -k w4a16_mma --section SpeedOfLight --section Occupancy --section LaunchStats
                               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis
+                              --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
                               python3 bench/profile_mma.py --m 1,16,64" ;;
     ncu_mma_forms) limit=240; cmd="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none
                               -k w4a16_mma --section SpeedOfLight --section Occupancy --section WarpStateStats
