@@ -56,6 +56,8 @@ step() {   # step NAME: its timeout (s) and command
                               --json $OUT/bench_decode_8b.json --shapes 8B_qkv,8B_o,8B_gate_up,8B_down" ;;   # decode sizes
     bench_prefill_8b) limit=300; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --ms 4096
                               --json $OUT/bench_prefill_8b.json --shapes 8B_qkv,8B_o,8B_gate_up,8B_down" ;;   # bf16 blocks
+    bench_decode_1.7b) limit=420; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --ms 1,16,64
+                              --json $OUT/bench_decode_1.7b.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down" ;;
     bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
                               $OUT/bench_linear_small.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down,8B_gate_up" ;;
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
