@@ -373,18 +373,22 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // PERSIST, whose issue side stays live here: it keeps the compiler's form.
   constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 ? 8 : NT >= 2 ? 4 : 2;
   const int staged = NT * 8 * cps * 16;
+  struct Vec { int wd, tt, m, i; };
+  auto vec = [](int e) { return Vec{e & 3, (e >> 2) & 3, (e >> 4) % (NT * 8), (e >> 4) / (NT * 8)}; };
   for (int e0 = threadIdx.x; e0 < staged; e0 += XSTAGE * RW * 32) {
     uint4 vs[XSTAGE];
 #pragma unroll
     for (int u = 0; u < XSTAGE; ++u) {
-      const int e = e0 + u * RW * 32, wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
+      const int e = e0 + u * RW * 32;
+      const auto [wd, tt, m, i] = vec(e);
       vs[u] = make_uint4(0, 0, 0, 0);
       if (e < staged && m0 + m < m_end && i < nc)
         vs[u] = __ldg(x + ((size_t)(m0 + m) * K + (size_t)(c0 + i) * 128 + tt * 32 + wd * 8) / 8);
     }
 #pragma unroll
     for (int u = 0; u < XSTAGE; ++u) {
-      const int e = e0 + u * RW * 32, wd = e & 3, tt = (e >> 2) & 3, m = (e >> 4) % (NT * 8), i = (e >> 4) / (NT * 8);
+      const int e = e0 + u * RW * 32;
+      const auto [wd, tt, m, i] = vec(e);
       if (e < staged) {
         const uint4 v = vs[u];
         const u32 p[4] = {prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410)};
