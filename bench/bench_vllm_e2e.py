@@ -49,6 +49,7 @@ under $OUT by default, ratio table printed)
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -106,6 +107,14 @@ KERNEL_VARIANTS = {
 def _category(name: str) -> str:
     low = name.lower()
     return next((cat for cat, keys in CATEGORIES if any(k.lower() in low for k in keys)), "other")
+
+
+def _by_category(us: dict[str, float]) -> dict[str, float]:
+    """GPU microseconds per kernel name summed per CATEGORIES entry."""
+    cats: dict[str, float] = {}
+    for name, v in us.items():
+        cats[_category(name)] = cats.get(_category(name), 0.0) + v
+    return cats
 
 
 def profiler_config(trace_dir: str | Path) -> dict:
@@ -200,6 +209,11 @@ def _device_events(trace: list[dict]) -> list[dict]:
 STEP_MARKERS, NOT_MARKERS = ("embedding", "indexselect"), ("rotary",)
 
 
+def _starts_forward(name: str) -> bool:
+    low = name.lower()
+    return any(k in low for k in STEP_MARKERS) and not any(k in low for k in NOT_MARKERS)
+
+
 def decode_steps(trace: list[dict]) -> dict:
     """Per decode step from one profiled generate's trace alone (no difference of two runs): the steps are the
     intervals between the starts of consecutive forwards (STEP_MARKERS), the first (the prefill's) dropped;
@@ -207,18 +221,18 @@ def decode_steps(trace: list[dict]) -> dict:
     the profiler runs), its busy time (kernel spans merged), its kernel count and GPU microseconds by
     category. {} with fewer than 3 forwards."""
     events = sorted(_device_events(trace), key=lambda e: float(e["ts"]))
-    starts = [float(e["ts"]) for e in events if any(k in e["name"].lower() for k in STEP_MARKERS)
-              and not any(k in e["name"].lower() for k in NOT_MARKERS)]
+    ts = [float(e["ts"]) for e in events]
+    starts = [t for t, e in zip(ts, events) if _starts_forward(e["name"])]
     steps: list[dict] = []
     for lo, hi in zip(starts[1:], starts[2:]):
-        inside = [e for e in events if lo <= float(e["ts"]) < hi]
-        busy, end, cats = 0.0, lo, {}
+        inside = events[bisect.bisect_left(ts, lo):bisect.bisect_left(ts, hi)]
+        busy, end, us = 0.0, lo, {}
         for e in inside:
             start, stop = float(e["ts"]), min(hi, float(e["ts"]) + float(e["dur"]))
             busy += max(0.0, stop - max(start, end))
             end = max(end, stop)
-            cats[_category(e["name"])] = cats.get(_category(e["name"]), 0.0) + float(e["dur"])
-        steps.append({"period_us": hi - lo, "busy_us": busy, "kernels": float(len(inside)), "gpu_us": cats})
+            us[e["name"]] = us.get(e["name"], 0.0) + float(e["dur"])
+        steps.append({"period_us": hi - lo, "busy_us": busy, "kernels": float(len(inside)), "gpu_us": _by_category(us)})
     if not steps:
         return {}
     med = statistics.median
@@ -293,11 +307,8 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
             for total, part in [(kernels, names), (line, timeline)] + [(where[k], places[k]) for k in where]:
                 for name, v in part.items():
                     total[name] = total.get(name, 0.0) + v
-        cats: dict = {}
-        for name, us in kernels.items():
-            cats[_category(name)] = cats.get(_category(name), 0.0) + us
         top = sorted(((us, name) for name, us in kernels.items()), reverse=True)
-        return cats, line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]], where, steps
+        return _by_category(kernels), line, wall, [(round(us, 1), name[:80]) for us, name in top[:12]], where, steps
 
     # the one-token run before and after the long one, the faster kept: a one-off host stall in it (in the
     # 36-layer run the short run at batch 16 stalled ~60 ms) would otherwise turn the differences negative
