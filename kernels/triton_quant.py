@@ -185,8 +185,8 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
         x = swiglu(x, up).to(tl.bfloat16 if ACT_BF16 else tl.float16, fp_downcast_rounding="rtne")
         x = x.to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                        # [R, NB]
-    if AMAX_MODE == 1:                                                       # one amax for the tensor
-        s_enc = _s_enc_from_amax(tl.load(amax_ptr + rows * 0), TE)
+    if AMAX_MODE == 1:                                                       # one amax for the tensor: a scalar
+        s_enc = tl.broadcast_to(_s_enc_from_amax(tl.load(amax_ptr), TE), [ROWS])
         gs_mask = rows == 0
         gs_off = rows * 0
     else:
@@ -256,10 +256,11 @@ def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_p
     bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
-    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax + rows * 0), TE)
-    tl.store(gs_ptr + e * stride_amax + rows * 0, tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc),
-             mask=(rows + kt) == 0)
-    packed, scale, _ = _quantize_tile(x, bamax, s_enc, TE, False)
+    # one amax per expert, loaded and inverted as a scalar (per row, every thread divided once per row it held:
+    # 29.1 -> 25.4 SASS instructions an element, tests/test_triton_sm90.py)
+    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax), TE)
+    tl.store(gs_ptr + e * stride_amax, tl.div_rn(1.0, s_enc), mask=(rt + kt) == 0)
+    packed, scale, _ = _quantize_tile(x, bamax, tl.broadcast_to(s_enc, [16]), TE, False)
     bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
              mask=rmask[:, None] & (bytes_[None, :] < K // 2))
