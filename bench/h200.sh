@@ -103,6 +103,7 @@ step() {   # step NAME: its timeout (s) and command
                               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis
                               --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio
                               python3 bench/profile_mma.py --m 1,16,64" ;;
+    ncu_mma_source) limit=200; cmd="bash bench/ncu_source.sh" ;;    # stall samples by SASS instruction, M = 16, 64
     ncu_mma_forms) limit=240; cmd="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) --clock-control none
                               -k w4a16_mma --section SpeedOfLight --section Occupancy --section WarpStateStats
                               --section MemoryWorkloadAnalysis python3 bench/profile_mma.py --m 1,16,64 --launches 1
