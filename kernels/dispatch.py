@@ -101,14 +101,16 @@ class ReferenceBackend:
         return quantizer.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
     @staticmethod
-    def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor, recipe: str,
-                             op_order: str = "vllm") -> NVFP4Tensor:
-        if not bool(torch.isfinite(amax).all()):             # NaN/Inf in w: the caller's flag says so
-            return out
-        q = ReferenceBackend.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
+    def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor | None = None, share: int = 1,
+                             recipe: str, op_order: str = "vllm") -> torch.Tensor:
+        used = _shared_amax(w, share) if amax is None else amax
+        if not bool(torch.isfinite(used).all()):             # NaN/Inf in w: the caller's flag says so
+            return used
+        per_expert = used if share == 1 else used.repeat_interleave(share)
+        q = ReferenceBackend.quantize_weight(w, recipe=recipe, amax=per_expert, op_order=op_order)
         for dst, src in zip((out.codes, out.block_scales, out.global_scale), (q.codes, q.block_scales, q.global_scale)):
             dst.copy_(src.reshape(dst.shape))
-        return out
+        return used
 
     @staticmethod
     def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None,
@@ -196,11 +198,10 @@ class TritonHopperBackend:
         return triton_quant.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
     @staticmethod
-    def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor, recipe: str,
-                             op_order: str = "vllm") -> NVFP4Tensor:
+    def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor | None = None, share: int = 1,
+                             recipe: str, op_order: str = "vllm") -> torch.Tensor:
         from . import triton_quant
-        return triton_quant.quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order, check_finite=False,
-                                            out=out)
+        return triton_quant.quantize_weight_into(w, out, recipe=recipe, amax=amax, share=share, op_order=op_order)
 
     @staticmethod
     def quantize_activations(x: torch.Tensor, *, scaling: str, amax: torch.Tensor | None = None,
@@ -346,15 +347,25 @@ def quantize_weight_on(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tenso
     return quantizer(w.device, backend).quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order)
 
 
-def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor, recipe: str = "1d",
-                         op_order: str = "vllm", backend: str = "auto") -> NVFP4Tensor:
-    """quantize_weight of w [N, K] or [E, N, K] with the given amax (fp32 [] or [E], e.g.
-    `reference.weight_amax(w)`) written into `out` (contiguous codes uint8, linear block scales e4m3
-    and decode scales fp32 of the result's sizes, e.g. views of a send buffer); returns out. The
-    Triton backend writes there directly (one launch) and neither checks w's values nor syncs the
-    host: NaN/Inf in w show in `amax`, which the caller checks on the device. The reference backend
-    quantizes and copies (one host sync; a non-finite amax leaves out unwritten)."""
-    return quantizer(w.device, backend).quantize_weight_into(w, out, amax=amax, recipe=recipe, op_order=op_order)
+def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor | None = None, share: int = 1,
+                         recipe: str = "1d", op_order: str = "vllm", backend: str = "auto") -> torch.Tensor:
+    """quantize_weight of w [N, K] or [E, N, K] written into `out` (contiguous codes uint8, linear block
+    scales e4m3 and decode scales fp32 of the result's sizes, e.g. views of a send buffer), with the given
+    amax (fp32 [] or [E]) or, without one, max|w| per `share` consecutive experts (their global scales
+    alike); returns the amax used ([E / share] or [] when computed). The Triton backend writes there directly
+    (one launch, the amax computed in it) and neither checks w's values nor syncs the host: NaN/Inf in w
+    show in the returned amax, which the caller checks on the device. The reference backend quantizes and
+    copies (one host sync; a non-finite amax leaves out unwritten)."""
+    return quantizer(w.device, backend).quantize_weight_into(w, out, amax=amax, share=share, recipe=recipe,
+                                                             op_order=op_order)
+
+
+def _shared_amax(w: torch.Tensor, share: int) -> torch.Tensor:
+    """max|w| per `share` consecutive experts of w [E, N, K] (fp32 [E / share]), or of w [N, K] ([])."""
+    amax = reference.weight_amax(w)
+    if share < 1 or (amax.dim() and amax.numel() % share) or (share > 1 and not amax.dim()):
+        raise ValueError(f"share (experts per amax) must divide the experts of {tuple(w.shape)}, got {share}")
+    return amax if share == 1 else amax.view(-1, share).amax(1)
 
 
 def quantizer(device: torch.device | str, backend: str = "auto") -> type:

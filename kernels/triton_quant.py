@@ -9,8 +9,9 @@ it differ only in where amax and S_enc come from and where codes and scales go:
                          amax, S_enc = 2688 / amax, the 1x16 block scales, the codes, and writes
                          packed codes, E4M3 scales (linear or 128x4 swizzled) and S_dec per row
   per-tensor activations the same kernel with S_enc given (from max|x| over the tensor)
-  weights                S_enc per tensor or per expert given (from max|w|, a torch reduction that
-                         reads w once), 1x16 or 16x16 block amax, tiles of 16 rows x BLOCK_K
+  weights                S_enc per tensor or per expert, given or from max|w| in the same launch (amax
+                         work items ahead of quantize items that re-read their group from L2), 1x16 or
+                         16x16 block amax, tiles of 16 rows x BLOCK_K
 
 Divisions use `tl.div_rn` (IEEE round-to-nearest, as torch); the E4M3 and E2M1 roundings are
 computed on the bits (`_e4m3_rne`, `_e2m1_rne`, checked on every fp32 of their ranges under the
@@ -19,7 +20,8 @@ where its product is exact (the roundings' a * 2^j + 1.5 * 2^23), so fusion neve
 `op_order="te"` (every quantizer; constexpr `TE` in the kernels) follows TransformerEngine's
 formulas instead, as `reference` does with the same keyword (its module docstring lists both).
 GPU quantization does not check for NaN/Inf in activations (that would need a host sync per call);
-weights are checked (one reduction and one sync per tensor) unless `check_finite=False`.
+weights are checked (one host sync per tensor, one reduction more where amax is given) unless
+`check_finite=False`.
 """
 from __future__ import annotations
 
@@ -238,28 +240,34 @@ def _act_quant_kernel(
 
 
 @triton.jit
-def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
-                 BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
-    """Quantize 16 rows x BLOCK_KB blocks of one expert; tile = (e * n_row_tiles + row tile) * n_k_tiles + k tile."""
+def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.constexpr):
+    """Tile `tile` = (e * n_row_tiles + row tile) * n_k_tiles + k tile of w [E, N, K]: (its 16 rows x BLOCK_KB
+    blocks as fp32 [16, BLOCK_KB, 16], zero past the edges; e; row tile; k tile)."""
     kt = tile % n_k_tiles
     rt = (tile // n_k_tiles) % n_row_tiles
     e = tile // (n_k_tiles * n_row_tiles)
     rows = rt * 16 + tl.arange(0, 16)                                         # [16] rows of this expert
+    cols = (kt * BLOCK_KB + tl.arange(0, BLOCK_KB))[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    mask = (rows < N)[:, None, None] & (cols < K)
+    x = tl.load(w_ptr + (e.to(tl.int64) * N + rows)[:, None, None] * K + cols, mask=mask, other=0.0)
+    return x.to(tl.float32), e, rt, kt
+
+
+@triton.jit
+def _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, gs_index, N, K,
+                       BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
+    """Quantize a loaded tile (`_weight_tile_load`) with its expert's S_enc (a scalar: loaded and inverted
+    once, not per row a thread holds: 29.1 -> 25.4 SASS instructions an element, tests/test_triton_sm90.py);
+    codes and block scales stored, S_dec at gs_ptr[gs_index] by the expert's first tile."""
+    rows = rt * 16 + tl.arange(0, 16)
     blocks = kt * BLOCK_KB + tl.arange(0, BLOCK_KB)                           # [NB]
     n_blocks = K // 16
-    cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     rmask = rows < N
-    bmask = blocks < n_blocks
-    mask = rmask[:, None, None] & (cols < K)
     grow = e.to(tl.int64) * N + rows                                          # global row
-    x = tl.load(w_ptr + grow[:, None, None] * K + cols, mask=mask, other=0.0).to(tl.float32)
     bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
-    # one amax per expert, loaded and inverted as a scalar (per row, every thread divided once per row it held:
-    # 29.1 -> 25.4 SASS instructions an element, tests/test_triton_sm90.py)
-    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax), TE)
-    tl.store(gs_ptr + e * stride_amax, tl.div_rn(1.0, s_enc), mask=(rt + kt) == 0)
+    tl.store(gs_ptr + gs_index, tl.div_rn(1.0, s_enc), mask=(rt + kt) == 0)
     packed, scale, _ = _quantize_tile(x, bamax, tl.broadcast_to(s_enc, [16]), TE, False)
     bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
     tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
@@ -271,7 +279,17 @@ def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_p
         sc_off = base + _scale_offsets(rows[:, None].to(tl.int64), blocks[None, :], n_blocks, True)
     else:
         sc_off = grow[:, None] * n_blocks + blocks[None, :]
-    tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & bmask[None, :])
+    tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & (blocks < n_blocks)[None, :])
+
+
+@triton.jit
+def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
+                 BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
+    """Quantize 16 rows x BLOCK_KB blocks of one expert with its given amax."""
+    x, e, rt, kt = _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+    s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax), TE)
+    _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * stride_amax, N, K,
+                       BLOCK_KB, TWO_D, SWIZZLE, TE)
 
 
 @triton.jit
@@ -292,12 +310,56 @@ def _weight_quant_kernel(
                          n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE, TE)
 
 
+@triton.jit
+def _weight_amax_quant_kernel(
+    w_ptr,                                  # input [E, N, K] float, contiguous
+    amax_ptr,                               # int32 [G], zero: the bits of max |w| of each amax group
+    done_ptr,                               # int32 [G], zero: amax items finished per group
+    queue_ptr,                              # int32 [1], zero: the next work item
+    codes_ptr, scales_ptr, gs_ptr, gs_stride,   # as `_weight_quant_kernel`'s; S_dec per expert (gs_stride 1) or one
+    N, K, n_row_tiles, n_k_tiles, share, n_groups, items_per_group,
+    ITEM: tl.constexpr, BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr,
+):
+    """The weight quantizer with the amax in the same launch. Group g (`share` consecutive experts, one amax) is
+    items_per_group amax items of ITEM tiles (read, max |w| by its bits, so NaN and Inf stay the largest) and as
+    many quantize items; programs take items in the order A0, A1, Q0, A2, Q1, ..., Q(G - 1) from one atomic
+    counter, so a quantize item re-reads its group from L2 while the next group's amax streams from DRAM, and
+    waits only for amax items that programs already running have taken (no deadlock at any grid size; under
+    the interpreter one program takes every item in order)."""
+    tiles_per_group = share * n_row_tiles * n_k_tiles
+    last = 2 * n_groups - 1
+    i = tl.atomic_add(queue_ptr, 1)
+    while i < 2 * n_groups * items_per_group:
+        b = i // items_per_group
+        amax_item = (b == 0) | ((b % 2 == 1) & (b != last))
+        g = tl.where(b == 0, 0, tl.where(b == last, n_groups - 1, tl.where(b % 2 == 1, (b + 1) // 2, b // 2 - 1)))
+        first = g * tiles_per_group + (i % items_per_group) * ITEM
+        end = tl.minimum(first + ITEM, (g + 1) * tiles_per_group)
+        if amax_item:
+            m = tl.full([], 0, tl.int32)
+            for t in range(first, end):
+                x, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+                m = tl.maximum(m, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
+            tl.atomic_max(amax_ptr + g, m)
+            tl.atomic_add(done_ptr + g, 1, sem="release")
+        else:
+            while tl.atomic_add(done_ptr + g, 0, sem="acquire") < items_per_group:
+                pass
+            s_enc = _s_enc_from_amax(tl.atomic_add(amax_ptr + g, 0).to(tl.float32, bitcast=True), TE)
+            for t in range(first, end):
+                x, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+                _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * gs_stride, N, K,
+                                   BLOCK_KB, TWO_D, SWIZZLE, TE)
+        i = tl.atomic_add(queue_ptr, 1)
+
+
 # Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
 # elements per program, warps, persistent pipelining depth (0 = off).
 ACT_CONFIG = dict(elements=4096, num_warps=4, persist_stages=0)
 DECODE_M = 64            # up to this many rows a launch is a decode step's (more warps per row)
 WEIGHT_CONFIG = dict(block_kb=16, num_warps=4, persist_stages=0)
 _PROGRAMS_PER_SM = 4
+AMAX_ITEM_TILES = 8       # tiles a work item of the one-launch weight quantizer takes (one atomic each)
 
 
 def _grid(n_tiles: int, persist_stages: int, device: torch.device) -> int:
@@ -427,7 +489,10 @@ def quantize_per_tensor(x: torch.Tensor, *, amax: torch.Tensor | None = None, op
 
 def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, check_finite: bool,
                    swizzle: bool, config: dict | None = None, op_order: str = "vllm",
-                   out: NVFP4Tensor | None = None):
+                   out: NVFP4Tensor | None = None, share: int = 1):
+    """(codes, scales, S_dec, the amax used) of w [N, K] or [E, N, K]. amax None: computed in the same launch
+    (`_weight_amax_quant_kernel`, one amax per `share` consecutive experts: fp32 [E / share], [] for [N, K]),
+    checked after it where check_finite (nothing of `out` is written then: its amax comes first, as given)."""
     reference._check_op_order(op_order)
     cfg = config or WEIGHT_CONFIG
     if w.dim() not in (2, 3):
@@ -436,22 +501,26 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     _check_rows(w, "weight")
     w3 = (w if w.dim() == 3 else w[None]).contiguous()
     e, n, k = w3.shape
-    if check_finite:
-        full = weight_amax(w)
-        if not bool(torch.isfinite(full).all()):
-            raise ValueError("weight: contains NaN or Inf; NVFP4 quantization needs finite input")
-        amax = full if amax is None else amax
-    elif amax is None:
-        amax = weight_amax(w)
-    amax = amax.to(device=w.device, dtype=torch.float32)
-    if amax.numel() not in (1, e) or amax.dim() > 1:
-        raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
-    amax_flat = amax.reshape(-1).contiguous()
+    if share < 1 or e % share or (share > 1 and amax is not None):
+        raise ValueError(f"share (experts per computed amax) must divide the {e} experts and needs amax=None, got {share}")
+    in_launch = amax is None and not (check_finite and out is not None)
+    if in_launch:
+        n_scales = e if w.dim() == 3 else 1
+    else:
+        if check_finite:
+            full = weight_amax(w)
+            if not bool(torch.isfinite(full).all()):
+                raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
+            amax = full if amax is None else amax
+        amax = amax.to(device=w.device, dtype=torch.float32)
+        if amax.numel() not in (1, e) or amax.dim() > 1:
+            raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
+        n_scales = amax.numel()
     nb = k // BLOCK
     if out is not None:
-        codes, scales, gs = _out_views(out, e, n, k, amax_flat.numel(), w.device)
+        codes, scales, gs = _out_views(out, e, n, k, n_scales, w.device)
     else:
-        gs = torch.empty_like(amax_flat)
+        gs = torch.empty(n_scales, dtype=torch.float32, device=w.device)
         codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=w.device)
         if swizzle:
             npad, kpad = -(-n // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-nb // SWIZZLE_COLS) * SWIZZLE_COLS
@@ -461,14 +530,31 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     block_kb = min(cfg["block_kb"], triton.next_power_of_2(nb))
     n_row_tiles, n_k_tiles = triton.cdiv(n, 16), triton.cdiv(nb, block_kb)
     n_tiles = e * n_row_tiles * n_k_tiles
-    if n_tiles:
-        _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
-            w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles, n_tiles,
-            BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, PERSIST_STAGES=cfg["persist_stages"],
-            TE=op_order == "te", num_warps=cfg["num_warps"])
+    consts = dict(BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, TE=op_order == "te",
+                  num_warps=cfg["num_warps"])
+    if in_launch:
+        groups = e // share
+        work = torch.zeros(2 * groups + 1, dtype=torch.int32, device=w.device)   # amax bits, done, queue
+        items = triton.cdiv(share * n_row_tiles * n_k_tiles, AMAX_ITEM_TILES)
+        if n_tiles:
+            programs = 2 if INTERPRET else torch.cuda.get_device_properties(w.device).multi_processor_count * 8
+            _weight_amax_quant_kernel[(min(2 * groups * items, programs),)](
+                w3, work[:groups], work[groups:2 * groups], work[2 * groups:], codes, scales, gs, int(n_scales > 1),
+                n, k, n_row_tiles, n_k_tiles, share, groups, items, ITEM=AMAX_ITEM_TILES, **consts)
+        amax = work[:groups].view(torch.float32).reshape(() if w.dim() == 2 else (groups,))
+        if check_finite and not bool(torch.isfinite(amax).all()):
+            raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
+        gs = gs.reshape(() if n_scales == 1 and w.dim() == 2 else (n_scales,))
+    else:
+        amax_flat = amax.reshape(-1).contiguous()
+        if n_tiles:
+            _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
+                w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles,
+                n_tiles, PERSIST_STAGES=cfg["persist_stages"], **consts)
+        gs = gs.reshape(amax.shape)
     if w.dim() == 2:
         codes, scales = codes[0], scales[0]
-    return codes, scales, gs.reshape(amax.shape)
+    return codes, scales, gs, amax
 
 
 def _out_views(out: NVFP4Tensor, e: int, n: int, k: int, n_scales: int, device: torch.device):
@@ -484,27 +570,35 @@ def _out_views(out: NVFP4Tensor, e: int, n: int, k: int, n_scales: int, device: 
 
 
 def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                    op_order: str = "vllm", check_finite: bool = True, config: dict | None = None,
-                    out: NVFP4Tensor | None = None) -> NVFP4Tensor:
+                    op_order: str = "vllm", check_finite: bool = True, config: dict | None = None) -> NVFP4Tensor:
     """Quantize a weight [N, K] (global_scale []) or experts [E, N, K] (global_scale [E]) on CUDA;
     bit-identical to `reference.quantize_weight`.
 
     recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles). amax: optional fp32 [] or [E] (e.g. the
-    learner's). op_order: "vllm" (the spec) or "te" (TransformerEngine's quantizer). check_finite:
-    raise on NaN/Inf (one extra read of w when amax is given, one host sync); the converter's fast
-    path passes False after checking amax itself. config: launch override (keys of WEIGHT_CONFIG),
-    for tuning. out: tensors to write the result into (contiguous, of the result's sizes and dtypes,
-    e.g. views of a send buffer); returned as given.
+    learner's); without it max|w| is computed in the same launch (`_weight_amax_quant_kernel`).
+    op_order: "vllm" (the spec) or "te" (TransformerEngine's quantizer). check_finite: raise on NaN/Inf
+    (one host sync; one extra read of w when amax is given); the converter's fast path passes False
+    after checking amax itself. config: launch override (keys of WEIGHT_CONFIG), for tuning.
     """
-    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False,
-                                       config=config, op_order=op_order, out=out)
-    return out if out is not None else NVFP4Tensor(codes, scales, gs)
+    codes, scales, gs, _ = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=False,
+                                          config=config, op_order=op_order)
+    return NVFP4Tensor(codes, scales, gs)
+
+
+def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
+                         share: int = 1, op_order: str = "vllm") -> torch.Tensor:
+    """`quantize_weight` written into `out` (contiguous codes, linear block scales and decode scales of the
+    result's sizes, e.g. views of a send buffer), one launch, no host sync and no NaN/Inf check: returns the
+    amax used, given or computed in the launch (fp32 [E / share]: one amax for each `share` consecutive
+    experts, their global scales alike; [] for [N, K]); NaN or Inf in w make it non-finite."""
+    return _weight_launch(w, recipe=recipe, amax=amax, check_finite=False, swizzle=False, op_order=op_order,
+                          out=out, share=share)[3]
 
 
 def quantize_weight_swizzled(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
                              op_order: str = "vllm", check_finite: bool = True) -> SwizzledNVFP4:
     """As `quantize_weight`, with block scales in the 128x4 swizzled layout per expert:
     [roundup(N,128), roundup(K/16,4)] (or [E, ...])."""
-    codes, scales, gs = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=True,
-                                       op_order=op_order)
+    codes, scales, gs, _ = _weight_launch(w, recipe=recipe, amax=amax, check_finite=check_finite, swizzle=True,
+                                          op_order=op_order)
     return SwizzledNVFP4(codes, scales, gs)

@@ -208,14 +208,10 @@ class PlannedSender:
                 dst = parts["dense"][job.rows]
                 dst.copy_(w.reshape(dst.shape))
                 continue
-            amax = reference.weight_amax(w)
-            if job.share > 1:                                               # per expert, over its parts
-                amax = amax.view(-1, job.share).amax(1, keepdim=True).expand(-1, job.share).reshape(-1)
-            elif job.group is not None:                                     # over the group's members
-                groups.setdefault(job.group, []).append((job, w, amax))
+            if job.share == 1 and job.group is not None:                   # one amax over the group's members
+                groups.setdefault(job.group, []).append((job, w, reference.weight_amax(w)))
                 continue
-            amaxes.append(amax)
-            self._quantize(w, amax, parts, job)
+            amaxes.append(self._quantize(w, None, parts, job))              # max|w| per expert in the launch
         for members in groups.values():
             amax = torch.stack([a for _, _, a in members]).amax(0)
             amaxes.append(amax)
@@ -232,7 +228,10 @@ class PlannedSender:
             event.record()
         return Ready(event, self.flags[b])
 
-    def _quantize(self, w: torch.Tensor, amax: torch.Tensor, parts: dict[str, torch.Tensor], job: Job) -> None:
+    def _quantize(self, w: torch.Tensor, amax: torch.Tensor | None, parts: dict[str, torch.Tensor],
+                  job: Job) -> torch.Tensor:
+        """w into the job's views of the send buffer with the given amax, or max|w| over each expert's
+        `job.share` parts computed in the launch; returns the amax used (NaN/Inf in w make it non-finite)."""
         if w.device not in self.quantizer:
             self.quantizer[w.device] = dispatch.quantizer(w.device, self.options.backend)
         codes, scales, s2 = parts["weight"][job.rows], parts["weight_scale"][job.rows], parts["weight_scale_2"][job.scale]
@@ -241,7 +240,8 @@ class PlannedSender:
             s2 = s2.view(-1)
         out = NVFP4Tensor(codes, scales, s2)
         opts = self.options.recipe
-        self.quantizer[w.device].quantize_weight_into(w, out, amax=amax, recipe=opts.weight, op_order=opts.op_order)
+        return self.quantizer[w.device].quantize_weight_into(w, out, amax=amax, share=job.share if amax is None else 1,
+                                                             recipe=opts.weight, op_order=opts.op_order)
 
     def find_invalid(self, b: int) -> str:
         """The slow path after bucket `b` was flagged: the first source tensor holding NaN or Inf."""

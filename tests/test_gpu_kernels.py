@@ -111,6 +111,26 @@ def test_weight_quantization_is_bit_exact(tk, shape, recipe):
     assert torch.equal(sw.codes.cpu(), want.codes)
 
 
+@pytest.mark.parametrize("share", [1, 2])
+def test_weight_amax_in_the_launch_under_concurrency(tk, share):
+    """The one-launch weight quantizer (max|w| per `share` experts computed by its amax items, the quantize
+    items waiting on them) on many experts, so thousands of programs run items of different groups at once:
+    the bits of the given-amax kernel with reference.weight_amax's amax, the same amax, twice in a row."""
+    tq = tk[0]
+    from nvfp4_sampler.kernels.format import NVFP4Tensor
+    g = torch.Generator(device="cuda").manual_seed(share)
+    w = (torch.randn(64, 768, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w[7] *= 1000.0
+    w[9] = 0.0
+    amax = reference.weight_amax(w).view(-1, share).amax(1)
+    want = tq.quantize_weight(w, amax=amax.repeat_interleave(share), check_finite=False)
+    for _ in range(2):
+        out = NVFP4Tensor(torch.empty_like(want.codes), torch.empty_like(want.block_scales),
+                          torch.empty_like(want.global_scale))
+        assert torch.equal(tq.quantize_weight_into(w, out, share=share), amax)
+        _assert_same(out, want)
+
+
 def test_weight_quantization_rejects_non_finite(tk):
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     w[3, 5] = float("nan")

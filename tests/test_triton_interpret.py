@@ -365,27 +365,46 @@ def check_moe_schedule_and_combine() -> None:
 
 
 def check_weight_into(op_order: str) -> None:
-    """quantize_weight(out=...) writes the reference's bits into views: stacked experts [E, 2R, K]
-    as [2E, R, K] matrices (one launch per fused entry) and a row slice of a fused qkv."""
+    """quantize_weight_into writes the reference's bits into views: stacked experts [E, 2R, K] as [2E, R, K]
+    matrices (one launch per fused entry) with the amax given or computed in the launch (per matrix, or one per
+    `share` matrices: an expert's gate and up), and a row slice of a fused qkv; the amax it returns is
+    reference.weight_amax's (NaN where a matrix holds one, the others unchanged)."""
     from nvfp4_sampler.kernels import reference, triton_quant
     from nvfp4_sampler.kernels.format import NVFP4Tensor
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(8, 32, 64, generator=g) * 0.05).to(torch.bfloat16)
-    want = reference.quantize_weight(w, op_order=op_order)
-    codes, scales, s2 = (torch.zeros(4, 64, 32, dtype=torch.uint8), torch.zeros(4, 64, 4, dtype=torch.uint8),
-                         torch.zeros(4, 2))
-    out = NVFP4Tensor(codes.view(8, 32, 32), scales.view(torch.float8_e4m3fn).view(8, 32, 4), s2.view(8))
-    got = triton_quant.quantize_weight(w, amax=reference.weight_amax(w), op_order=op_order, check_finite=False,
-                                       out=out)
-    assert got is out and torch.equal(codes.view(8, 32, 32), want.codes)
-    assert torch.equal(scales.view(8, 32, 4), want.block_scales.view(torch.uint8))
-    assert torch.equal(s2.view(8), want.global_scale)
+    w[5] = 0                                                          # a zero matrix: amax 0, S_enc 1
+    for amax, share in ((reference.weight_amax(w), 1), (None, 1), (None, 2)):
+        per_matrix = reference.weight_amax(w)
+        if share > 1:
+            per_matrix = per_matrix.view(-1, share).amax(1).repeat_interleave(share)
+        want = reference.quantize_weight(w, amax=per_matrix, op_order=op_order)
+        codes, scales, s2 = (torch.zeros(4, 64, 32, dtype=torch.uint8), torch.zeros(4, 64, 4, dtype=torch.uint8),
+                             torch.zeros(4, 2))
+        out = NVFP4Tensor(codes.view(8, 32, 32), scales.view(torch.float8_e4m3fn).view(8, 32, 4), s2.view(8))
+        used = triton_quant.quantize_weight_into(w, out, amax=amax, share=share, op_order=op_order)
+        assert torch.equal(used, per_matrix[::share]), (used, share)
+        assert torch.equal(codes.view(8, 32, 32), want.codes), share
+        assert torch.equal(scales.view(8, 32, 4), want.block_scales.view(torch.uint8))
+        assert torch.equal(s2.view(8), want.global_scale)
     codes, scales, s2 = (torch.zeros(48, 32, dtype=torch.uint8), torch.zeros(48, 4, dtype=torch.float8_e4m3fn),
                          torch.zeros(3))                                # a qkv entry's parts: k is rows 16..48
-    triton_quant.quantize_weight(w[0], amax=reference.weight_amax(w[0]), op_order=op_order, check_finite=False,
-                                 out=NVFP4Tensor(codes[16:48], scales[16:48], s2[1]))
-    assert torch.equal(codes[16:48], want.codes[0]) and not codes[:16].any()
-    assert torch.equal(s2, torch.stack([torch.tensor(0.0), want.global_scale[0], torch.tensor(0.0)]))
+    want = reference.quantize_weight(w[0], op_order=op_order)
+    used = triton_quant.quantize_weight_into(w[0], NVFP4Tensor(codes[16:48], scales[16:48], s2[1]), op_order=op_order)
+    assert used.shape == () and torch.equal(used, reference.weight_amax(w[0]))
+    assert torch.equal(codes[16:48], want.codes) and not codes[:16].any()
+    assert torch.equal(s2, torch.stack([torch.tensor(0.0), want.global_scale, torch.tensor(0.0)]))
+    w[6, 3, 7] = float("nan")
+    used = triton_quant.quantize_weight_into(w, NVFP4Tensor(torch.empty(8, 32, 32, dtype=torch.uint8),
+                                                            torch.empty(8, 32, 4, dtype=torch.float8_e4m3fn),
+                                                            torch.empty(8)), share=2, op_order=op_order)
+    assert used[3].isnan() and torch.equal(used[:3], reference.weight_amax(w[:6]).view(3, 2).amax(1))
+    try:
+        triton_quant.quantize_weight(w, op_order=op_order)
+    except ValueError as e:
+        assert "NaN or Inf" in str(e)
+    else:
+        raise AssertionError("quantize_weight took a NaN")
 
 
 def test_decode_kernels_under_the_interpreter():
