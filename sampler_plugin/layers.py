@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from nvfp4_sampler.kernels import cuda_mma, dispatch, ops  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
+from nvfp4_sampler.kernels import cuda_mma, dispatch, ops, reference  # noqa: F401  (ops registers torch.ops.nvfp4_sampler.*)
 from nvfp4_sampler.kernels.format import BLOCK, NVFP4Tensor
 from nvfp4_sampler.sampler_format import TRIPLET, TRIPLET_DTYPES, SamplerConfig, triplet_shapes
 
@@ -229,7 +229,7 @@ def write(dst: NVFP4Tensor, shard: Shard, kind: str, tensor: torch.Tensor, *, co
     tensor = tensor.to(codes.device)
     if online:
         part = tensor[shard.src_rows, shard.src_cols]
-        q = dispatch.quantize_weight_on(part, recipe=config.recipe.weight, amax=tensor.abs().float().amax(),
+        q = dispatch.quantize_weight_on(part, recipe=config.recipe.weight, amax=reference.weight_amax(tensor),
                                         op_order=config.recipe.op_order, backend=config.backend)
         codes.copy_(as_stored(dst, "weight", q.codes))
         scales.copy_(as_stored(dst, "weight_scale", q.block_scales))
