@@ -120,15 +120,11 @@ def _e2m1_rne(v):
 
 
 @triton.jit
-def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
-    """The spec's block quantizer on one tile.
-
-    x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
-    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], values fp32
-    [R, NB, 16] = e2m1(q) * float(s), signed and exact: the block dequantized without S_dec). TE:
-    TransformerEngine's block-scale and element-scale formulas, PER_ROW selecting its row-scaled
-    (per-token) element scale (`reference.block_scales`).
-    """
+def _block_scales(bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
+    """The spec's block scales of a tile: bamax fp32 [R, NB] (block amax, 1x16 or 16x16), s_enc fp32 [R] (S_enc
+    of each row) -> (scales float8e4nv [R, NB], their fp32 values, the element multipliers `inv` fp32 [R, NB]).
+    TE: TransformerEngine's block-scale and element-scale formulas, PER_ROW selecting its row-scaled (per-token)
+    element scale (`reference.block_scales`)."""
     if TE:
         scale = _e4m3_rne(tl.minimum(bamax * (s_enc[:, None] * 0.1666666716337204), 448.0))
     else:
@@ -141,11 +137,33 @@ def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.conste
         inv = tl.minimum(tl.div_rn(tl.full(dec.shape, 1.0, tl.float32), dec), _FLT_MAX)
         if not TE:                                                   # 1/0 := 0 (TE: FLT_MAX)
             inv = tl.where(dec == 0.0, 0.0, inv)
+    return scale, s, inv
+
+
+@triton.jit
+def _pack_codes(code):
+    """E2M1 codes int32 [R, NB, W] (W even) -> uint8 [R, NB, W / 2]: consecutive pairs, the even element low."""
+    R: tl.constexpr = code.shape[0]
+    NB: tl.constexpr = code.shape[1]
+    W: tl.constexpr = code.shape[2]
+    lo, hi = tl.split(tl.reshape(code, (R, NB, W // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_tile(x, bamax, s_enc, TE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
+    """The spec's block quantizer on one tile.
+
+    x fp32 [R, NB, 16]; bamax fp32 [R, NB] (block amax, 1x16 or 16x16); s_enc fp32 [R] (S_enc of
+    each row). Returns (packed codes uint8 [R, NB*8], scales float8e4nv [R, NB], values fp32
+    [R, NB, 16] = e2m1(q) * float(s), signed and exact: the block dequantized without S_dec). TE,
+    PER_ROW: as `_block_scales`.
+    """
+    scale, s, inv = _block_scales(bamax, s_enc, TE, PER_ROW)
     code, q = _e2m1_rne(x * inv[:, :, None])
     R: tl.constexpr = x.shape[0]
     NB: tl.constexpr = x.shape[1]
-    lo, hi = tl.split(tl.reshape(code, (R, NB * 8, 2)))
-    return (lo | (hi << 4)).to(tl.uint8), scale, q * s[:, :, None]
+    return tl.reshape(_pack_codes(code), (R, NB * 8)), scale, q * s[:, :, None]
 
 
 @triton.jit
@@ -241,37 +259,44 @@ def _act_quant_kernel(
 
 @triton.jit
 def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.constexpr):
-    """Tile `tile` = (e * n_row_tiles + row tile) * n_k_tiles + k tile of w [E, N, K]: (its 16 rows x BLOCK_KB
-    blocks as fp32 [16, BLOCK_KB, 16], zero past the edges; e; row tile; k tile)."""
+    """Tile `tile` = (e * n_row_tiles + row tile) * n_k_tiles + k tile of w [E, N, K]: (the first and second
+    halves of its 16 rows x BLOCK_KB blocks as fp32 [16, BLOCK_KB, 8] each, zero past the edges; e; row tile;
+    k tile). Two loads of one layout, so each thread holds whole blocks: their amax and scales without a
+    shuffle or a second thread repeating them (tests/test_triton_sm90.py counts the instructions)."""
     kt = tile % n_k_tiles
     rt = (tile // n_k_tiles) % n_row_tiles
     e = tile // (n_k_tiles * n_row_tiles)
     rows = rt * 16 + tl.arange(0, 16)                                         # [16] rows of this expert
-    cols = (kt * BLOCK_KB + tl.arange(0, BLOCK_KB))[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    cols = (kt * BLOCK_KB + tl.arange(0, BLOCK_KB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     mask = (rows < N)[:, None, None] & (cols < K)
-    x = tl.load(w_ptr + (e.to(tl.int64) * N + rows)[:, None, None] * K + cols, mask=mask, other=0.0)
-    return x.to(tl.float32), e, rt, kt
+    ptrs = w_ptr + (e.to(tl.int64) * N + rows)[:, None, None] * K + cols
+    lo = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(ptrs + 8, mask=mask, other=0.0).to(tl.float32)
+    return lo, hi, e, rt, kt
 
 
 @triton.jit
-def _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, gs_index, N, K,
+def _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, gs_index, N, K,
                        BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
     """Quantize a loaded tile (`_weight_tile_load`) with its expert's S_enc (a scalar: loaded and inverted
-    once, not per row a thread holds: 29.1 -> 25.4 SASS instructions an element, tests/test_triton_sm90.py);
-    codes and block scales stored, S_dec at gs_ptr[gs_index] by the expert's first tile."""
+    once, not per row a thread holds); codes and block scales stored, S_dec at gs_ptr[gs_index] by the
+    expert's first tile."""
     rows = rt * 16 + tl.arange(0, 16)
     blocks = kt * BLOCK_KB + tl.arange(0, BLOCK_KB)                           # [NB]
     n_blocks = K // 16
     rmask = rows < N
     grow = e.to(tl.int64) * N + rows                                          # global row
-    bamax = tl.max(tl.abs(x), axis=2)                                         # [16, NB]
+    bamax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))    # [16, NB]
     if TWO_D:
         bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], (16, BLOCK_KB))
     tl.store(gs_ptr + gs_index, tl.div_rn(1.0, s_enc), mask=(rt + kt) == 0)
-    packed, scale, _ = _quantize_tile(x, bamax, tl.broadcast_to(s_enc, [16]), TE, False)
-    bytes_ = kt * BLOCK_KB * 8 + tl.arange(0, BLOCK_KB * 8)
-    tl.store(codes_ptr + grow[:, None] * (K // 2) + bytes_[None, :], packed,
-             mask=rmask[:, None] & (bytes_[None, :] < K // 2))
+    scale, _, inv = _block_scales(bamax, tl.broadcast_to(s_enc, [16]), TE, False)
+    code_lo, _ = _e2m1_rne(lo * inv[:, :, None])
+    code_hi, _ = _e2m1_rne(hi * inv[:, :, None])
+    ptrs = codes_ptr + grow[:, None, None] * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
+    bmask = rmask[:, None, None] & (blocks < n_blocks)[None, :, None]
+    tl.store(ptrs, _pack_codes(code_lo), mask=bmask)                        # a block's first 4 bytes, then its last
+    tl.store(ptrs + 4, _pack_codes(code_hi), mask=bmask)
     if SWIZZLE:
         n_pad = (N + 127) // 128 * 128
         k_pad = (n_blocks + 3) // 4 * 4
@@ -286,9 +311,9 @@ def _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, gs_in
 def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
                  BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
     """Quantize 16 rows x BLOCK_KB blocks of one expert with its given amax."""
-    x, e, rt, kt = _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+    lo, hi, e, rt, kt = _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
     s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax), TE)
-    _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * stride_amax, N, K,
+    _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * stride_amax, N, K,
                        BLOCK_KB, TWO_D, SWIZZLE, TE)
 
 
@@ -338,8 +363,9 @@ def _weight_amax_quant_kernel(
         if amax_item:
             m = tl.full([], 0, tl.int32)
             for t in range(first, end):
-                x, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
-                m = tl.maximum(m, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF))
+                lo, hi, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+                m = tl.maximum(m, tl.max(tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
+                                                    hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)))
             tl.atomic_max(amax_ptr + g, m)
             tl.atomic_add(done_ptr + g, 1, sem="release")
         else:
@@ -347,8 +373,8 @@ def _weight_amax_quant_kernel(
                 pass
             s_enc = _s_enc_from_amax(tl.atomic_add(amax_ptr + g, 0).to(tl.float32, bitcast=True), TE)
             for t in range(first, end):
-                x, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
-                _weight_tile_store(x, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * gs_stride, N, K,
+                lo, hi, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
+                _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * gs_stride, N, K,
                                    BLOCK_KB, TWO_D, SWIZZLE, TE)
         i = tl.atomic_add(queue_ptr, 1)
 
