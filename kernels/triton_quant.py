@@ -369,8 +369,9 @@ def _weight_amax_quant_kernel(
             tl.atomic_max(amax_ptr + g, m)
             tl.atomic_add(done_ptr + g, 1, sem="release")
         else:
-            while tl.atomic_add(done_ptr + g, 0, sem="acquire") < items_per_group:
+            while tl.load(done_ptr + g, volatile=True) < items_per_group:     # polls L2 with plain loads
                 pass
+            tl.atomic_add(done_ptr + g, 0, sem="acquire")          # the amax below after every amax item's release
             s_enc = _s_enc_from_amax(tl.atomic_add(amax_ptr + g, 0).to(tl.float32, bitcast=True), TE)
             for t in range(first, end):
                 lo, hi, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
