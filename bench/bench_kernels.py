@@ -502,7 +502,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
               f" {r['exact_ms'] * 1e3:9.2f} {100 * r['exact_frac_peak_copy']:9.1f}")
     print("\nweight conversion, Qwen3-30B-A3B layer x48")
     for r in by("weight_conversion"):
-        print(f"  {r['variant']:55s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
+        print(f"  {r['variant']:68s} {r['model_ms']:8.1f} ms/model {r['gbps']:6.0f} GB/s {100 * r['frac_peak_copy']:5.1f}% of copy")
     print("\nlinear (us; speedup = cuBLAS / ours; peer = " + PEER + ")\n  shape           M    cuBLAS      mma     gemv"
           "   packed     bf16    exact  codes  path    speedup  wGB/s %copy    peer  peer/cuBLAS ours/peer  best-swept")
     for r in by("linear"):
