@@ -262,7 +262,8 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out) for w in w_t]) / len(w_t)
                 row["mma_tiled_linear_ms"] = graph_ms(    # as engines run it: quantizer, then the kernel (PDL at M = 1)
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
-                tuned = cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(x.device))
+                tuned = cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(x.device),
+                                                     slices=cuda_mma.small_slices(x.device))
                 row["same_bits"] = same_bits_forms(xq, w_t[0], out, tuned)
                 row["wgmma_tiled_kernel_ms"] = tried_ms(   # the warpgroup-MMA variant, tiles as the default's
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **(tuned | {"wgmma": True}))

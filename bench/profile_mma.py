@@ -46,7 +46,8 @@ def main() -> None:
         x = triton_quant.quantize_per_token_exact(torch.randn(m, k, device=dev, dtype=torch.bfloat16),
                                                   dtype=torch.float16)
         out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-        tuned = {} if args.config else cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(dev))
+        tuned = {} if args.config else cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(dev),
+                                                                 slices=cuda_mma.small_slices(dev))
         for form in forms:
             for _ in range(args.launches):
                 cuda_mma.launch(x.values, x.global_scale, w, out, **tuned, **FORMS[form])

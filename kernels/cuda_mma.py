@@ -50,9 +50,15 @@ THROUGHPUT_MIN_M = 17
 # sessions, kernel alone on tiled weights at M = 16, us with 4 / 8 / 16 chunks a slice): 8B qkv 15.2 / 11.7 /
 # 12.6 (it takes 8), o 10.7 / 11.2 / 12.1 (8 would leave 128 CTAs: `config`'s 4), gate_up 39.7 / 33.7 / 36.7
 # (`config`'s 8), down 29.1 / 21.6 / 18.5 against `config`'s 12: 20.2 (it takes 16); at M = 1 the slices tie
-# (qkv 9.7 / 9.8), so M <= 8 keeps `config`'s. The 1.7B and 30B-A3B attention shapes keep `config`'s
+# (qkv 9.7 / 9.8), so M <= 8 keeps `config`'s. The 1.7B and 30B-A3B attention shapes keep `config`'s.
+# SMALL_SLICES_BY_DEVICE: slice counts tried in turn (the first that is longer than `config`'s and keeps
+# SMALL_MIN_CTAS) on devices whose name holds the key. H200 (fourteenth session, the same measurement, us with
+# 4 / 8 / 16 chunks a slice): 8B gate_up 37.3 / 31.6 / 28.3, qkv 14.5 / 11.5 / 12.0 (16 would leave 96 CTAs),
+# o 10.5 / 11.0 / 11.8, down - / 20.2 / 18.2: two slices where they keep a wave (gate_up, down), else four,
+# the fastest of the three on all four shapes (on the 1.7B shapes it changes gate_up: 8 chunks, not 4)
 SMALL_MIN_M = 9
 SMALL_SLICES = 4
+SMALL_SLICES_BY_DEVICE = {"H200": (2, 4)}
 SMALL_MIN_CTAS = 132
 THROUGHPUT_TILES = ((16, 16), (8, 16), (8, 8))   # (RW, CPS), fewest CTAs first
 THROUGHPUT_MIN_CTAS = 96                         # about 3/4 of an H200's 132 SMs
@@ -173,13 +179,15 @@ def prepare(device: torch.device) -> tuple[bool, str]:
     return True, reason
 
 
-def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> dict:
+def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False,
+                       slices: tuple[int, ...] = (SMALL_SLICES,)) -> dict:
     """`launch` overrides (rw, cps, wgmma) for M tokens on an [N, K] weight where batch invariance is not
-    asked for: none below SMALL_MIN_M (`config` and `tiles`); to THROUGHPUT_MIN_M - 1 the longer split-K
-    slice of SMALL_SLICES slices where it keeps SMALL_MIN_CTAS CTAs; above, the first of THROUGHPUT_TILES
-    whose launch has THROUGHPUT_MIN_CTAS CTAs (else the last), 16 warps as warpgroup MMAs where the device
-    has them (warpgroup: `has_wgmma`). The split-K slice then depends on M, so a row's bits may differ
-    between M < SMALL_MIN_M and larger batches (strict mode takes `config`'s at every M)."""
+    asked for: none below SMALL_MIN_M (`config` and `tiles`); to THROUGHPUT_MIN_M - 1 the split-K slice of
+    the first count of `slices` (the device's: `small_slices`) whose slice is longer than `config`'s and
+    keeps SMALL_MIN_CTAS CTAs; above, the first of THROUGHPUT_TILES whose launch has THROUGHPUT_MIN_CTAS CTAs
+    (else the last), 16 warps as warpgroup MMAs where the device has them (warpgroup: `has_wgmma`). The
+    split-K slice then depends on M, so a row's bits may differ between M < SMALL_MIN_M and larger batches
+    (strict mode takes `config`'s at every M)."""
     if m < SMALL_MIN_M:
         return {}
     chunks, (nt, rw) = k // CHUNK, tiles(m)
@@ -188,8 +196,10 @@ def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False) -> di
         return -(-n // (16 * rw)) * -(-chunks // cps) * -(-m // (8 * nt))
 
     if m < THROUGHPUT_MIN_M:
-        cps = min(_MAX_CPS, -(-chunks // SMALL_SLICES))
-        return dict(cps=cps) if cps > config(n, k)["CPS"] and ctas(rw, cps) >= SMALL_MIN_CTAS else {}
+        for cps in (min(_MAX_CPS, -(-chunks // s)) for s in slices):
+            if cps > config(n, k)["CPS"] and ctas(rw, cps) >= SMALL_MIN_CTAS:
+                return dict(cps=cps)
+        return {}
     for rw, cps in THROUGHPUT_TILES:
         cps = min(cps, chunks)
         if ctas(rw, cps) >= THROUGHPUT_MIN_CTAS:
@@ -201,6 +211,14 @@ def throughput_wgmma(rw: int, warpgroup: bool) -> bool:
     """Whether `throughput_options`' launch of rw warps runs warpgroup MMAs (16 warps, where the device has
     them: warpgroup); `prepare` compiles the same."""
     return warpgroup and rw == 16
+
+
+@functools.lru_cache(maxsize=None)
+def small_slices(device: torch.device) -> tuple[int, ...]:
+    """`throughput_options`' slice counts at 9-16 tokens on `device`: SMALL_SLICES_BY_DEVICE's by its name,
+    else (SMALL_SLICES,)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for key, v in SMALL_SLICES_BY_DEVICE.items() if key in name), (SMALL_SLICES,))
 
 
 @functools.lru_cache(maxsize=None)

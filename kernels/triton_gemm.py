@@ -585,8 +585,8 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if path == "mma":
-            tuned = {} if batch_invariant else cuda_mma.throughput_options(x2.shape[0], *w.shape,
-                                                                           warpgroup=cuda_mma.has_wgmma(x.device))
+            tuned = {} if batch_invariant else cuda_mma.throughput_options(
+                x2.shape[0], *w.shape, warpgroup=cuda_mma.has_wgmma(x.device), slices=cuda_mma.small_slices(x.device))
             cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
         else:
             small = x2.shape[0] <= cuda_mma.MMA_MAX_M and w.shape[-1] % 128 == 0    # decode sizes: codes decoded

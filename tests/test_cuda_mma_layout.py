@@ -15,6 +15,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from nvfp4_sampler.kernels import cuda_mma
 from nvfp4_sampler.kernels.format import E2M1_VALUES
@@ -239,6 +240,14 @@ def test_throughput_options_only_above_8_tokens_and_only_prepared_variants():
     assert [opt(m, 6144, 4096) for m in (1, 8, 9, 16)] == [{}, {}, dict(cps=8), dict(cps=8)]
     assert opt(16, 4096, 12288) == dict(cps=16) and opt(16, 4096, 4096) == {}
     assert all(opt(16, n, k) == {} for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144)))  # 1.7B
+    # the H200's slice counts (`small_slices`: two slices where they keep a wave, else four), as measured
+    # fastest there at M = 16: 8B gate_up 16 chunks, qkv 8, down 16, o `config`'s
+    h200 = dict(slices=cuda_mma.SMALL_SLICES_BY_DEVICE["H200"])
+    assert [opt(16, n, k, **h200) for n, k in ((24576, 4096), (6144, 4096), (4096, 4096), (4096, 12288))] == \
+        [dict(cps=16), dict(cps=8), {}, dict(cps=16)]
+    assert [opt(16, n, k, **h200) for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144))] == \
+        [{}, {}, dict(cps=8), {}]                                   # 1.7B: gate_up takes 8 chunks, not `config`'s 4
+    assert opt(8, 24576, 4096, **h200) == {} and cuda_mma.small_slices(torch.device("cpu")) == (cuda_mma.SMALL_SLICES,)
     picks = {   # (M, N, K): (RW, CPS), the measured fastest
         (32, 6144, 4096): (8, 16), (64, 6144, 4096): (16, 16),       # 8B qkv (M = 32: 15.9 vs the best 15.4 us)
         (32, 4096, 4096): (8, 8), (64, 4096, 4096): (8, 16),         # 8B o
