@@ -362,9 +362,9 @@ def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tenso
 
 def _shared_amax(w: torch.Tensor, share: int) -> torch.Tensor:
     """max|w| per `share` consecutive experts of w [E, N, K] (fp32 [E / share]), or of w [N, K] ([])."""
-    amax = reference.weight_amax(w)
-    if share < 1 or (amax.dim() and amax.numel() % share) or (share > 1 and not amax.dim()):
+    if share < 1 or (w.shape[0] if w.dim() == 3 else 1) % share:
         raise ValueError(f"share (experts per amax) must divide the experts of {tuple(w.shape)}, got {share}")
+    amax = reference.weight_amax(w)
     return amax if share == 1 else amax.view(-1, share).amax(1)
 
 

@@ -571,7 +571,7 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
         amax = work[:groups].view(torch.float32).reshape(() if w.dim() == 2 else (groups,))
         if check_finite and not bool(torch.isfinite(amax).all()):
             raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
-        gs = gs.reshape(() if n_scales == 1 and w.dim() == 2 else (n_scales,))
+        gs = gs.reshape(() if w.dim() == 2 else (n_scales,))
     else:
         amax_flat = amax.reshape(-1).contiguous()
         if n_tiles:
