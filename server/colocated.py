@@ -5,7 +5,7 @@ colocate modes), with no sidecar, no handles and no files.
     report = refit.update(version)                                  # every RL step: all or nothing
 
 The planned protocol (`server.plan`, `server.planned`) without transport: each bucket of the plan is
-quantized straight into its own buffer on the trainer's device (one launch per fused expert tensor;
+quantized straight into its own buffer on the trainer's device (one call per fused expert tensor;
 the buffers stay allocated across updates: the model's NVFP4 size), NaN/Inf are checked on the device
 (one host sync per update: nothing is written when a source is not finite), then the engine's worker
 writes the fused entries into its parameters (`nvfp4_apply_fused`: one copy per tensor kind of an

@@ -5,14 +5,14 @@
 
 `PlannedSender` maps each entry of a `TransferPlan` to the trainer's source tensors once (through
 `converters.name_map`): a fused expert tensor [E, P*R, K] that fills a stacked entry row for row is
-quantized in ONE launch into the entry's parts ([E*P, R, K] matrices, one decode scale each, as the
+quantized in one call into the entry's parts ([E*P, R, K] matrices, one decode scale each, as the
 converter quantizes it); per-expert source tensors (a checkpoint's `experts.{e}.gate_proj`, ...) that
 together fill a stacked entry are stacked on the device in chunks of at most STACK_BYTES and each chunk
 quantized the same way (a few launches per entry instead of several per expert); any other member
 (q / k / v of a fused qkv) in one launch into its rows; a dense tensor is one copy. Everything lands
-at the plan's offsets of the send buffer (`TransferPlan.fused_views`): there is no pack step. Each launch
+at the plan's offsets of the send buffer (`TransferPlan.fused_views`): there is no pack step. Each call
 computes its amax itself (`dispatch.quantize_weight_into` without an amax: max|w| per expert, or per
-expert's parts with one shared scale); NaN/Inf in a quantized source show in that amax, checked on the
+expert's parts with one shared scale, by a reduction before the quantizer or in its launch); NaN/Inf in a quantized source show in that amax, checked on the
 device per bucket (a flag copied to pinned host memory, no host sync per entry); the sidecar's validation
 of the bucket checks what is sent.
 
@@ -213,7 +213,7 @@ class PlannedSender:
             if job.share == 1 and job.group is not None:                   # one amax over the group's members
                 groups.setdefault(job.group, []).append((job, w, reference.weight_amax(w)))
                 continue
-            amaxes.append(self._quantize(w, None, parts, job))              # max|w| per expert in the launch
+            amaxes.append(self._quantize(w, None, parts, job))              # max|w| per expert, computed by the call
         for members in groups.values():
             amax = torch.stack([a for _, _, a in members]).amax(0)
             amaxes.append(amax)
@@ -233,7 +233,7 @@ class PlannedSender:
     def _quantize(self, w: torch.Tensor, amax: torch.Tensor | None, parts: dict[str, torch.Tensor],
                   job: Job) -> torch.Tensor:
         """w into the job's views of the send buffer with the given amax, or max|w| over each expert's
-        `job.share` parts computed in the launch; returns the amax used (NaN/Inf in w make it non-finite)."""
+        `job.share` parts computed by the call; returns the amax used (NaN/Inf in w make it non-finite)."""
         if w.device not in self.quantizer:
             self.quantizer[w.device] = dispatch.quantizer(w.device, self.options.backend)
         codes, scales, s2 = parts["weight"][job.rows], parts["weight_scale"][job.rows], parts["weight_scale_2"][job.scale]
