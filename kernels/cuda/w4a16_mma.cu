@@ -294,6 +294,19 @@ __device__ __forceinline__ void issue_chunk(u32 dst, int lane, const uint4* qa, 
   cp_async_commit();
 }
 
+// The epilogue's scales of a thread's accumulators: S_dec of its tokens m0 + 8 j + 2 t + v (0 past m_end) and
+// of its rows n0 + g + 8 h (0 past N).
+__device__ __forceinline__ void epilogue_scales(float (&sa)[NT][2], float (&sw)[2], const float* __restrict__ x_gs,
+                                                const float* __restrict__ w_gs, int w_gs_stride, int m0, int m_end,
+                                                int n0, int g, int t, bool rows_ok) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < m_end ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
+}
+
 extern "C" __global__ void __launch_bounds__(RW * 32)
 w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vectors
           const u16* __restrict__ w_scales,     // e4m3 [N, K/16] as byte pairs
@@ -425,6 +438,16 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
 #endif
 
+  // The epilogue's scales. Up to 16 tokens a CTA (NT <= 2), one tile a CTA loads them before the main loop,
+  // where their latency hides: after it, the split-K's fence (MEMBAR.GPU, in the cluster barrier's release
+  // too) waited for them (Nsight source counters, H100 sixteenth session: 3.9% + 3.1% of the M = 16
+  // launch's stall samples on the two fences). Registers at sm_90: NT 2 x 8 warps 63 -> 78 (3 CTAs an SM
+  // still; shared memory allows 3), NT 1 50-54 -> 56-62; at NT 4 and 8 the same change cost 12-43 registers
+  // (a CTA fewer an SM), and PERSIST keeps values set before the main loop live through its tile loop.
+  constexpr bool early_scales = !PERSIST && NT <= 2;
+  float sa[NT][2], sw[2];
+  if (early_scales) epilogue_scales(sa, sw, x_gs, w_gs, w_gs_stride, m0, m_end, n0, g, t, rows_ok);
+
   // 2. decode and multiply each chunk while the next ones load
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -452,15 +475,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
   }
 
-  // 3. split-K: partial planes, the last CTA of the tile adds them in plane order. The epilogue's scales
-  //    are loaded first, so their latency hides behind the stores, the fence and the ticket.
-  float sa[NT][2], sw[2];
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int v = 0; v < 2; ++v) sa[j][v] = m0 + j * 8 + 2 * t + v < m_end ? x_gs[m0 + j * 8 + 2 * t + v] : 0.f;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) sw[h] = rows_ok ? w_gs[(size_t)(n0 + g + 8 * h) * w_gs_stride] : 0.f;
+  // 3. split-K: partial planes, the last CTA of the tile adds them in plane order (the epilogue's scales
+  //    loaded here unless early_scales, their latency behind the stores)
+  if (!early_scales) epilogue_scales(sa, sw, x_gs, w_gs, w_gs_stride, m0, m_end, n0, g, t, rows_ok);
 #if CLUSTER
   // 3'. split-K through the cluster: partials [warp][j][v][lane] into this CTA's shared memory (the
   //     activations' and rings' space, free once every warp is past its last MMA; PERSIST: red_tiles), then
