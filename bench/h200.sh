@@ -47,7 +47,9 @@ step() {   # step NAME: its timeout (s) and command
     bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
                               --out $OUT/bench_sync_vllm_24.json" ;;   # 30 GB checkpoint: 48 layers exceed the disk
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;
-    diagnose_8b) limit=300; cmd="python3 bench/diagnose_h200.py --shapes qwen3-8b:4 --out $OUT/diagnose" ;;
+    # 300 s cut the default run's learner (on the CPU) before its report, H100 sixteenth session: 590 s, half the tokens
+    diagnose_8b) limit=590; cmd="python3 bench/diagnose_h200.py --shapes qwen3-8b:4 --prompts 4 --max-tokens 32
+                              --out $OUT/diagnose" ;;
     compiled_gap) limit=420; cmd="python3 bench/compiled_gap.py --out $OUT/compiled_gap.json" ;;
     bench_e2e_8b_full) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --out $OUT/bench_vllm_e2e_8b_full.json" ;;
     bench_linear_8b) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
