@@ -380,11 +380,14 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   asm volatile("griddepcontrol.wait;" ::: "memory");
   // Vector e of the slice: word wd of quarter tt of token m's chunk i. Each thread issues XSTAGE loads before
   // it permutes and stores the first, so the staging waits for one L2 round trip per XSTAGE vectors (the
-  // compiler's own unroll issued 2: 8 round trips at NT = 4, RW = 16, 16 chunks). Registers at sm_90
-  // (tests/test_cuda_mma_sm90.py): NT = 2, RW = 8 63 (was 66); RW = 16 106 (was 82, one CTA an SM either
-  // way); 8 at NT = 4, RW = 8 spilled (ptxas held those 256-thread CTAs to 80 registers), and so did 4 under
-  // PERSIST, whose issue side stays live here: it keeps the compiler's form.
-  constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 ? 8 : NT >= 2 ? 4 : 2;
+  // compiler's own unroll issued 2). XSTAGE covers all of a thread's vectors where registers allow: at NT = 2
+  // x 8 warps up to 8 chunks (the M <= 16 slices; with 4, two round trips: Nsight by instruction, H100
+  // sixteenth session, 13.6% of the M = 16 stall samples on the first use of the loads), at NT = 1 x 4 warps
+  // up to 4. Registers at sm_90 (tests/test_cuda_mma_sm90.py): NT 2 x 8 warps with clusters 74 (78 with 4),
+  // with global split-K 88 (2 CTAs an SM); RW = 16 106; 8 at NT = 4, RW = 8 spilled (ptxas held those
+  // 256-thread CTAs to 80 registers), and so did 4 under PERSIST, whose issue side stays live here: it keeps
+  // the compiler's form.
+  constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 || NT == 2 ? 8 : 4;
   const int staged = NT * 8 * cps * 16;
   struct Vec { int wd, tt, m, i; };
   auto vec = [](int e) { return Vec{e & 3, (e >> 2) & 3, (e >> 4) % (NT * 8), (e >> 4) / (NT * 8)}; };
@@ -441,9 +444,10 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // The epilogue's scales. Up to 16 tokens a CTA (NT <= 2), one tile a CTA loads them before the main loop,
   // where their latency hides: after it, the split-K's fence (MEMBAR.GPU, in the cluster barrier's release
   // too) waited for them (Nsight source counters, H100 sixteenth session: 3.9% + 3.1% of the M = 16
-  // launch's stall samples on the two fences). Registers at sm_90: NT 2 x 8 warps 63 -> 78 (3 CTAs an SM
-  // still; shared memory allows 3), NT 1 50-54 -> 56-62; at NT 4 and 8 the same change cost 12-43 registers
-  // (a CTA fewer an SM), and PERSIST keeps values set before the main loop live through its tile loop.
+  // launch's stall samples on the two fences). Registers at sm_90: NT 2 x 8 warps 63 -> 78 with the staging's
+  // 4 loads (3 CTAs an SM still; shared memory allows 3), NT 1 50-54 -> 56-62; at NT 4 and 8 the same change
+  // cost 12-43 registers (a CTA fewer an SM), and PERSIST keeps values set before the main loop live through
+  // its tile loop.
   constexpr bool early_scales = !PERSIST && NT <= 2;
   float sa[NT][2], sw[2];
   if (early_scales) epilogue_scales(sa, sw, x_gs, w_gs, w_gs_stride, m0, m_end, n0, g, t, rows_ok);
