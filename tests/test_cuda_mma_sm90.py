@@ -145,3 +145,32 @@ def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw,
         assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
         assert "serializ" not in log.lower(), log
         assert {"0x0", "0x1"} <= set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))
+
+
+def _main_loop(sass: str, mark: str) -> list[str]:
+    """The opcodes of the innermost loop (a backward branch) whose body holds `mark`, e.g. an MMA."""
+    lines = [l for l in sass.split("\n") if re.match(r"\s+/\*[0-9a-f]{4}\*/", l)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]{4})\*/", l).group(1), 16) for l in lines]
+    best = None
+    for k, line in enumerate(lines):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", line)
+        if m and int(m.group(1), 16) < addr[k]:
+            body = [x for x, a in zip(lines, addr) if int(m.group(1), 16) <= a <= addr[k]]
+            if any(mark in x for x in body) and (best is None or len(body) < len(best)):
+                best = body
+    assert best, f"no loop around {mark}"
+    return [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", x).split()[0] for x in best]
+
+
+@pytest.mark.parametrize("nt,rw", [(1, 4), (2, 8), (4, 16)])
+def test_wgmma_main_loop_steps_its_descriptors(nt, rw):
+    """The wgmma variant's main loop builds each k16 step's B descriptor by one add to the slice's first
+    (`b_desc_step`): at most ~4 uniform instructions a step (8 steps a chunk), not the ~6 of a descriptor
+    rebuilt from its address (Nsight by instruction, H100 sixteenth session: 50 a chunk at NT 4 x 16 warps,
+    27 now), and about 190-200 instructions a chunk in all (217 before)."""
+    _, sass = _compile("90a", nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, wgmma=True,
+                       cluster=nt > 1)
+    ops = _main_loop(sass, "HGMMA")
+    uniform = sum(op.startswith("U") for op in ops)
+    assert uniform <= 32, (uniform, len(ops))
+    assert len(ops) <= 200, len(ops)

@@ -243,16 +243,20 @@ __device__ __forceinline__ void prefetch_l2(const uint4* codes, const u16* scale
 #endif
 
 #if WGMMA
-// The descriptor of one k16 step's B tile at shared address `addr` (K-major, no swizzle; the header's WGMMA).
-__device__ __forceinline__ u64 b_desc(u32 addr) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(NT * 128 >> 4) << 16) | ((u64)(128 >> 4) << 32);
-}
+// The descriptor of one k16 step's B tile at shared address `addr` (K-major, no swizzle; the header's WGMMA):
+// its low word (address >> 4 in bits 0-13, the leading-byte offset from bit 16) and the constant high word.
+__device__ __forceinline__ u32 b_desc_lo(u32 addr) { return ((addr & 0x3FFFF) >> 4) | ((NT * 128 >> 4) << 16); }
+// The descriptor of the tile `off16` x 16 bytes past the one whose low word is `lo`: the address field plus
+// off16 (shared addresses stay under 2^18, so nothing carries out of the field), one add where a descriptor
+// built from each step's address took ~6 uniform instructions (50 a chunk at NT = 4: Nsight by instruction,
+// H100 sixteenth session).
+__device__ __forceinline__ u64 b_desc_step(u32 lo, u32 off16) { return ((u64)(128 >> 4) << 32) | (lo + off16); }
 #endif
 
 // One chunk of one warp: rows g and g+8 (codes q0/q1, block-scale pairs s0/s1) times the staged activations
-// (xs_s: their shared address, for the WGMMA descriptors).
+// (xs_d: the low word of their first tile's WGMMA descriptor, `b_desc_lo`).
 __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1, float (&acc)[NT][4],
-                                              const uint4* xs, u32 xs_s, int c, int g, int t) {
+                                              const uint4* xs, u32 xs_d, int c, int g, int t) {
   u32 sc0[2], sc1[2];                                   // rows g and g + 8
   block_scales(s0, sc0);
   block_scales(s1, sc1);
@@ -265,8 +269,8 @@ __device__ __forceinline__ void compute_chunk(uint4 q0, uint4 q1, u16 s0, u16 s1
     scaled_pairs(w1[wd], sc1[wd >> 1], pb);
 #if WGMMA
     const u32 a[8] = {pa[0], pb[0], pa[1], pb[1], pa[2], pb[2], pa[3], pb[3]};
-    const u32 step = xs_s + (c * 4 + wd) * 2 * (2 * NT * 128);    // [chunk][word][half][k half][token][t]
-    wgmma_k32(acc, a, b_desc(step), b_desc(step + 2 * NT * 128));
+    const u32 step = (c * 4 + wd) * (NT * 32);      // x 16 bytes: [chunk][word][half][k half][token][t]
+    wgmma_k32(acc, a, b_desc_step(xs_d, step), b_desc_step(xs_d, step + NT * 16));
 #else
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -423,7 +427,11 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
   __syncthreads();
 
-  const u32 xs_s = smem_addr(xs);
+#if WGMMA
+  const u32 xs_d = b_desc_lo(smem_addr(xs));
+#else
+  const u32 xs_d = 0;
+#endif
   int rd = 0, wr = STAGES - 1;             // the slots chunk c is read from and chunk c + STAGES - 1 lands in
   float acc[NT][4];
 #if PERSIST
@@ -470,7 +478,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #endif
       const uint4* slot = ring + rd * SLOT;
       const u16* sc = reinterpret_cast<const u16*>(slot + 64);
-      compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, xs_s, c, g, t);
+      compute_chunk(slot[lane], slot[32 + lane], sc[lane], sc[32 + lane], acc, xs, xs_d, c, g, t);
       rd = rd == STAGES - 1 ? 0 : rd + 1;
       wr = wr == STAGES - 1 ? 0 : wr + 1;
     }
