@@ -261,8 +261,9 @@ def _act_quant_kernel(
 def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.constexpr, EVICT: tl.constexpr):
     """Tile `tile` = (e * n_row_tiles + row tile) * n_k_tiles + k tile of w [E, N, K]: (the first and second
     halves of its 16 rows x BLOCK_KB blocks as fp32 [16, BLOCK_KB, 8] each, zero past the edges; e; row tile;
-    k tile). EVICT: the loads' L2 eviction policy ("", "evict_last", "evict_first"). Two loads of one layout, so each thread holds whole blocks: their amax and scales without a
-    shuffle or a second thread repeating them (tests/test_triton_sm90.py counts the instructions)."""
+    k tile). Two loads of one layout, so each thread holds whole blocks: their amax and scales without a
+    shuffle or a second thread repeating them (tests/test_triton_sm90.py counts the instructions). EVICT: the
+    loads' L2 eviction policy ("", "evict_last", "evict_first")."""
     kt = tile % n_k_tiles
     rt = (tile // n_k_tiles) % n_row_tiles
     e = tile // (n_k_tiles * n_row_tiles)
