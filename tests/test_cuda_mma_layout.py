@@ -99,9 +99,9 @@ def test_wgmma_staging_is_what_the_descriptors_read(nt):
     codes (mma's A layout per warp) sum to each token's dot product exactly, over two chunks."""
     rows_at = _c_expr(r"u32\* rows = reinterpret_cast<u32\*>\(xs\) \+ (.+?);")
     store_at = _c_expr(r"for \(int h = 0; h < 4; \+\+h\) rows\[(.+?)\] = p\[h\];")
-    lbo, sbo = _c_expr(r"\| \(\(u64\)\(([^()]+) >> 4\) << 16\)"), _c_expr(r"\| \(\(u64\)\(([^()]+) >> 4\) << 32\)")
-    step_at = _c_expr(r"const u32 step = xs_s \+ (.+?);")
-    second_at = _c_expr(r"b_desc\(step\), b_desc\(step \+ (.+?)\)\);")
+    lbo, sbo = _c_expr(r"\| \(\(([^()]+) >> 4\) << 16\); \}"), _c_expr(r"\(\(u64\)\(([^()]+) >> 4\) << 32\)")
+    step_at = _c_expr(r"const u32 step = (.+?);")                    # in 16-byte units past the slice's first
+    second_at = _c_expr(r"b_desc_step\(xs_d, step\), b_desc_step\(xs_d, step \+ (.+?)\)\);")
     rng = np.random.default_rng(nt)
     ntok, chunks = 8 * nt, 2
     x = rng.choice(E2M1, size=(ntok, chunks * 128)) * 2.0 ** rng.integers(-4, 4, size=(ntok, 1))
@@ -122,8 +122,8 @@ def test_wgmma_staging_is_what_the_descriptors_read(nt):
     total = np.zeros(ntok)
     for c in range(chunks):
         for wd in range(4):
-            step = eval(step_at, dict(xs_s=0, c=c, wd=wd, NT=nt))
-            for half, start in enumerate((step, step + eval(second_at, dict(NT=nt)))):
+            step = 16 * eval(step_at, dict(c=c, wd=wd, NT=nt))
+            for half, start in enumerate((step, step + 16 * eval(second_at, dict(NT=nt)))):
                 b = np.array([[halves[(start + (kk // 8) * lbo + (n // 8) * sbo + (n % 8) * 16 + (kk % 8) * 2) // 2]
                                for n in range(ntok)] for kk in range(16)])
                 for t in range(4):
