@@ -103,7 +103,7 @@ class ReferenceBackend:
     @staticmethod
     def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tensor | None = None, share: int = 1,
                              recipe: str, op_order: str = "vllm") -> torch.Tensor:
-        used = _shared_amax(w, share) if amax is None else amax
+        used = reference.weight_amax(w, share) if amax is None else amax
         if not bool(torch.isfinite(used).all()):             # NaN/Inf in w: the caller's flag says so
             return used
         per_expert = used if share == 1 else used.repeat_interleave(share)
@@ -353,19 +353,12 @@ def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tenso
     scales e4m3 and decode scales fp32 of the result's sizes, e.g. views of a send buffer), with the given
     amax (fp32 [] or [E]) or, without one, max|w| per `share` consecutive experts (their global scales
     alike); returns the amax used ([E / share] or [] when computed). The Triton backend writes there directly
-    (the amax reduced first or in the quantizer's launch: `triton_quant.WEIGHT_CONFIG`) and neither checks w's values nor syncs the host: NaN/Inf in w
-    show in the returned amax, which the caller checks on the device. The reference backend quantizes and
+    (the amax reduced first or in the quantizer's launch: `triton_quant.WEIGHT_CONFIG`) and neither checks
+    w's values nor syncs the host: NaN/Inf in w show in the returned amax, which the caller checks on the
+    device. The reference backend quantizes and
     copies (one host sync; a non-finite amax leaves out unwritten)."""
     return quantizer(w.device, backend).quantize_weight_into(w, out, amax=amax, share=share, recipe=recipe,
                                                              op_order=op_order)
-
-
-def _shared_amax(w: torch.Tensor, share: int) -> torch.Tensor:
-    """max|w| per `share` consecutive experts of w [E, N, K] (fp32 [E / share]), or of w [N, K] ([])."""
-    if share < 1 or (w.shape[0] if w.dim() == 3 else 1) % share:
-        raise ValueError(f"share (experts per amax) must divide the experts of {tuple(w.shape)}, got {share}")
-    amax = reference.weight_amax(w)
-    return amax if share == 1 else amax.view(-1, share).amax(1)
 
 
 def quantizer(device: torch.device | str, backend: str = "auto") -> type:

@@ -239,11 +239,15 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
     return _quantize_blocks(w, block_amax, s_enc, op_order=op_order)
 
 
-def weight_amax(w: torch.Tensor) -> torch.Tensor:
-    """max|w| as fp32: [] for a weight [N, K], [E] for stacked experts [E, N, K] (the amax
-    `quantize_weight` takes by default). One read of w, no temporary; NaN and Inf propagate, so
+def weight_amax(w: torch.Tensor, share: int = 1) -> torch.Tensor:
+    """max|w| as fp32: [] for a weight [N, K], [E / share] for stacked experts [E, N, K], one per `share`
+    consecutive experts (1: the amax `quantize_weight` takes by default; 2: an expert's gate and up stored as
+    two matrices with one scale). One read of w, no temporary; NaN and Inf propagate, so
     `torch.isfinite(weight_amax(w))` checks the whole weight without another pass."""
-    return torch.linalg.vector_norm(w, ord=float("inf"), dim=(-2, -1)).float()
+    if share < 1 or (w.shape[0] if w.dim() == 3 else 1) % share:
+        raise ValueError(f"share (experts per amax) must divide the experts of {tuple(w.shape)}, got {share}")
+    amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=(-2, -1)).float()
+    return amax if share == 1 else amax.view(-1, share).amax(1)
 
 
 def quantize_weight_group(ws: list[torch.Tensor], *, recipe: str = "1d", op_order: str = "vllm") -> list[NVFP4Tensor]:
@@ -257,7 +261,7 @@ def quantize_weight_group(ws: list[torch.Tensor], *, recipe: str = "1d", op_orde
                          f"{[tuple(w.shape) for w in ws]}")
     for i, w in enumerate(ws):
         _check_input(w, f"shard {i}")
-    amax = torch.stack([w.abs().float().amax(dim=(-2, -1)) for w in ws]).amax(0)
+    amax = torch.stack([weight_amax(w) for w in ws]).amax(0)
     return [quantize_weight(w, recipe=recipe, amax=amax, op_order=op_order) for w in ws]
 
 

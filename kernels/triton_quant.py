@@ -546,12 +546,11 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
         n_scales = e if w.dim() == 3 else 1
     else:
         if check_finite or amax is None:
-            full = weight_amax(w)
+            full = weight_amax(w, share)
             if check_finite and not bool(torch.isfinite(full).all()):
                 raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
             if amax is None:
-                used = full if share == 1 else full.view(-1, share).amax(1)
-                amax = used if share == 1 else used.repeat_interleave(share)
+                used, amax = full, full if share == 1 else full.repeat_interleave(share)
         amax = amax.to(device=w.device, dtype=torch.float32)
         if amax.numel() not in (1, e) or amax.dim() > 1:
             raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")

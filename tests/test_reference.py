@@ -198,6 +198,21 @@ def test_dequantize_dtype_and_experts():
     assert out.dtype == torch.bfloat16 and torch.equal(out, deq64(t).float().to(torch.bfloat16))
 
 
+def test_weight_amax_per_share_of_experts():
+    """weight_amax: max|w| per matrix, per `share` consecutive experts (an expert's gate and up), NaN kept;
+    a share that does not divide the experts is refused."""
+    w = random_input(4 * 8, 32, torch.float32, seed=6).reshape(4, 8, 32)
+    w[2, 3, 5] = float("nan")
+    per = torch.stack([w[e].abs().amax() for e in range(4)])
+    assert torch.equal(R.weight_amax(w[0]), per[0]) and R.weight_amax(w[0]).shape == ()
+    assert torch.allclose(R.weight_amax(w), per, rtol=0, atol=0, equal_nan=True)
+    pairs = R.weight_amax(w, 2)
+    assert pairs.shape == (2,) and pairs[0] == per[:2].max() and pairs[1].isnan()
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="must divide"):
+            R.weight_amax(w, bad)
+
+
 # ---------------------------------------------------------------- compressed-tensors
 
 def ct_quantize(x):
