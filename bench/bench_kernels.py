@@ -41,10 +41,6 @@ LAYERS_30B = 48
 ACT_SWEEP = [dict(elements=e, num_warps=w, persist_stages=p) for e, w, p in
              [(2048, 4, 0), (4096, 4, 0), (4096, 8, 0), (8192, 8, 0), (16384, 16, 0), (8192, 16, 0),
               (4096, 4, 2), (8192, 8, 2)]]
-# the one-launch weight quantizer's schedules (programs per SM, tiles per work item): the default's beside
-# more and fewer bytes in flight (the sixteenth session's first schedule, 8 x 8 with one group of lead, read
-# 33.9% of copy against 45.7% for two passes)
-AMAX_SCHEDULES = [(4, 2), (8, 1), (2, 4), (8, 2), (4, 8)]
 WEIGHT_SWEEP = [dict(block_kb=b, num_warps=w, persist_stages=p) for b, w, p in
                 [(16, 4, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0), (64, 16, 0), (32, 8, 2), (64, 8, 2)]]
 GEMV_SWEEP = [dict(), dict(block_n=32), dict(block_n=128), dict(block_b=4), dict(block_b=8), dict(block_b=32),
@@ -202,8 +198,6 @@ def bench_weight_conversion(log, peak_gbps: float) -> None:
         "2d, amax given (1 pass)": lambda: [triton_quant.quantize_weight(w, recipe="2d", amax=amax[n], check_finite=False) for n, w in layer.items()],
         "1d, amax computed (2 passes)": lambda: [triton_quant.quantize_weight(w, amax=triton_quant.weight_amax(w), check_finite=False) for n, w in layer.items()],
         "1d, amax computed (the default)": lambda: [triton_quant.quantize_weight(w, check_finite=False) for w in layer.values()],
-        **{f"1d, amax in the launch ({p}/SM, {t}-tile items)": lambda c=dict(amax_in_launch=True, amax_programs_per_sm=p, amax_item_tiles=t):
-           [triton_quant.quantize_weight(w, check_finite=False, config=c) for w in layer.values()] for p, t in AMAX_SCHEDULES},
     }
     for name, fn in variants.items():
         t = graph_ms(fn)

@@ -258,12 +258,11 @@ def _act_quant_kernel(
 
 
 @triton.jit
-def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.constexpr, EVICT: tl.constexpr):
+def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.constexpr):
     """Tile `tile` = (e * n_row_tiles + row tile) * n_k_tiles + k tile of w [E, N, K]: (the first and second
     halves of its 16 rows x BLOCK_KB blocks as fp32 [16, BLOCK_KB, 8] each, zero past the edges; e; row tile;
     k tile). Two loads of one layout, so each thread holds whole blocks: their amax and scales without a
-    shuffle or a second thread repeating them (tests/test_triton_sm90.py counts the instructions). EVICT: the
-    loads' L2 eviction policy ("", "evict_last", "evict_first")."""
+    shuffle or a second thread repeating them (tests/test_triton_sm90.py counts the instructions)."""
     kt = tile % n_k_tiles
     rt = (tile // n_k_tiles) % n_row_tiles
     e = tile // (n_k_tiles * n_row_tiles)
@@ -271,8 +270,8 @@ def _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB: tl.co
     cols = (kt * BLOCK_KB + tl.arange(0, BLOCK_KB))[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
     mask = (rows < N)[:, None, None] & (cols < K)
     ptrs = w_ptr + (e.to(tl.int64) * N + rows)[:, None, None] * K + cols
-    lo = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    hi = tl.load(ptrs + 8, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    lo = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(ptrs + 8, mask=mask, other=0.0).to(tl.float32)
     return lo, hi, e, rt, kt
 
 
@@ -312,7 +311,7 @@ def _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, 
 def _weight_tile(tile, w_ptr, amax_ptr, stride_amax, codes_ptr, scales_ptr, gs_ptr, N, K, n_row_tiles, n_k_tiles,
                  BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr):
     """Quantize 16 rows x BLOCK_KB blocks of one expert with its given amax."""
-    lo, hi, e, rt, kt = _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB, "")
+    lo, hi, e, rt, kt = _weight_tile_load(tile, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB)
     s_enc = _s_enc_from_amax(tl.load(amax_ptr + e * stride_amax), TE)
     _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * stride_amax, N, K,
                        BLOCK_KB, TWO_D, SWIZZLE, TE)
@@ -336,65 +335,14 @@ def _weight_quant_kernel(
                          n_row_tiles, n_k_tiles, BLOCK_KB, TWO_D, SWIZZLE, TE)
 
 
-@triton.jit
-def _weight_amax_quant_kernel(
-    w_ptr,                                  # input [E, N, K] float, contiguous
-    amax_ptr,                               # int32 [G], zero: the bits of max |w| of each amax group
-    done_ptr,                               # int32 [G], zero: amax items finished per group
-    queue_ptr,                              # int32 [1], zero: the next work item
-    codes_ptr, scales_ptr, gs_ptr, gs_stride,   # as `_weight_quant_kernel`'s; S_dec per expert (gs_stride 1) or one
-    N, K, n_row_tiles, n_k_tiles, share, n_groups, items_per_group, lead,
-    ITEM: tl.constexpr, BLOCK_KB: tl.constexpr, TWO_D: tl.constexpr, SWIZZLE: tl.constexpr, TE: tl.constexpr,
-):
-    """The weight quantizer with the amax in the same launch. Group g (`share` consecutive experts, one amax) is
-    items_per_group amax items A(g) of ITEM tiles (read, max |w| by its bits, so NaN and Inf stay the largest)
-    and as many quantize items Q(g); programs take items from one atomic counter in blocks of a group's items,
-    in the order A(0) .. A(lead - 1), then A(lead), Q(0), A(lead + 1), Q(1), ..., then the last Q's: a
-    quantize item is taken `lead` groups after its amax items (the launch sets lead so that more items than
-    programs lie between: they have finished, no program spins), re-reads its group from L2 (the amax items
-    load with evict_last, the quantize items with evict_first) while later groups' amax streams from DRAM,
-    and waits only for items that running programs took (no deadlock at any grid size; under the
-    interpreter one program takes every item in order)."""
-    tiles_per_group = share * n_row_tiles * n_k_tiles
-    i = tl.atomic_add(queue_ptr, 1)
-    while i < 2 * n_groups * items_per_group:
-        b = i // items_per_group
-        j = b - lead
-        amax_item = (b < lead) | ((b < 2 * n_groups - lead) & (j % 2 == 0))
-        g = tl.where(b < lead, b, tl.where(b >= 2 * n_groups - lead, b - n_groups, tl.where(j % 2 == 0, lead + j // 2,
-                                                                                              (j - 1) // 2)))
-        first = g * tiles_per_group + (i % items_per_group) * ITEM
-        end = tl.minimum(first + ITEM, (g + 1) * tiles_per_group)
-        if amax_item:
-            m = tl.full([], 0, tl.int32)
-            for t in range(first, end):
-                lo, hi, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB, "evict_last")
-                m = tl.maximum(m, tl.max(tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF,
-                                                    hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)))
-            tl.atomic_max(amax_ptr + g, m)
-            tl.atomic_add(done_ptr + g, 1, sem="release")
-        else:
-            while tl.load(done_ptr + g, volatile=True) < items_per_group:     # polls L2 with plain loads
-                pass
-            tl.atomic_add(done_ptr + g, 0, sem="acquire")          # the amax below after every amax item's release
-            s_enc = _s_enc_from_amax(tl.atomic_add(amax_ptr + g, 0).to(tl.float32, bitcast=True), TE)
-            for t in range(first, end):
-                lo, hi, e, rt, kt = _weight_tile_load(t, w_ptr, N, K, n_row_tiles, n_k_tiles, BLOCK_KB, "evict_first")
-                _weight_tile_store(lo, hi, s_enc, e, rt, kt, codes_ptr, scales_ptr, gs_ptr, e * gs_stride, N, K,
-                                   BLOCK_KB, TWO_D, SWIZZLE, TE)
-        i = tl.atomic_add(queue_ptr, 1)
-
-
 # Launch configurations, chosen from the sweep in bench/bench_kernels.py (docs/BENCHMARKS.md):
 # elements per program, warps, persistent pipelining depth (0 = off).
 ACT_CONFIG = dict(elements=4096, num_warps=4, persist_stages=0)
 DECODE_M = 64            # up to this many rows a launch is a decode step's (more warps per row)
-WEIGHT_CONFIG = dict(block_kb=16, num_warps=4, persist_stages=0,
-                     # Without a given amax: max|w| in the quantizer's launch (`_weight_amax_quant_kernel`, programs
-                     # a SM, tiles a work item) or, amax_in_launch False, a reduction before it (two passes: 45.7%
-                     # of copy against 33.9% for the one launch's first schedule, 8 per SM x 8 tiles and one
-                     # group of lead; H100, sixteenth session). The bench sweeps the one launch's schedule.
-                     amax_in_launch=False, amax_programs_per_sm=4, amax_item_tiles=2)
+# Without a given amax, a reduction (`weight_amax`) runs before the quantizer: two reads of w. A one-launch
+# form (amax items ahead of quantize items re-reading their group from L2, one atomic queue) read 25-40% of
+# copy against the two passes' 45.9% at six schedules (H100, sixteenth and seventeenth sessions): removed.
+WEIGHT_CONFIG = dict(block_kb=16, num_warps=4, persist_stages=0)
 _PROGRAMS_PER_SM = 4
 
 
@@ -527,9 +475,8 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
                    swizzle: bool, config: dict | None = None, op_order: str = "vllm",
                    out: NVFP4Tensor | None = None, share: int = 1):
     """(codes, scales, S_dec, the amax used) of w [N, K] or [E, N, K]. amax None: one amax per `share`
-    consecutive experts (fp32 [E / share], [] for [N, K]), computed by a reduction before the quantizer or in
-    its launch (`_weight_amax_quant_kernel`; config's amax_in_launch), checked after it where check_finite
-    (nothing of `out` is written then: its amax comes first, as given)."""
+    consecutive experts (fp32 [E / share], [] for [N, K]), computed by a reduction before the quantizer;
+    check_finite: NaN/Inf raise before anything is written."""
     reference._check_op_order(op_order)
     cfg = {**WEIGHT_CONFIG, **(config or {})}
     if w.dim() not in (2, 3):
@@ -540,21 +487,17 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     e, n, k = w3.shape
     if share < 1 or e % share or (share > 1 and amax is not None):
         raise ValueError(f"share (experts per computed amax) must divide the {e} experts and needs amax=None, got {share}")
-    in_launch = amax is None and cfg["amax_in_launch"] and not (check_finite and out is not None)
     used = None                                                 # an amax computed here, one per `share` experts
-    if in_launch:
-        n_scales = e if w.dim() == 3 else 1
-    else:
-        if check_finite or amax is None:
-            full = weight_amax(w, share)
-            if check_finite and not bool(torch.isfinite(full).all()):
-                raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
-            if amax is None:
-                used, amax = full, full if share == 1 else full.repeat_interleave(share)
-        amax = amax.to(device=w.device, dtype=torch.float32)
-        if amax.numel() not in (1, e) or amax.dim() > 1:
-            raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
-        n_scales = amax.numel()
+    if check_finite or amax is None:
+        full = weight_amax(w, share)
+        if check_finite and not bool(torch.isfinite(full).all()):
+            raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
+        if amax is None:
+            used, amax = full, full if share == 1 else full.repeat_interleave(share)
+    amax = amax.to(device=w.device, dtype=torch.float32)
+    if amax.numel() not in (1, e) or amax.dim() > 1:
+        raise ValueError(f"amax must have shape [] or [{e}], got {tuple(amax.shape)}")
+    n_scales = amax.numel()
     nb = k // BLOCK
     if out is not None:
         codes, scales, gs = _out_views(out, e, n, k, n_scales, w.device)
@@ -571,30 +514,12 @@ def _weight_launch(w: torch.Tensor, *, recipe: str, amax: torch.Tensor | None, c
     n_tiles = e * n_row_tiles * n_k_tiles
     consts = dict(BLOCK_KB=block_kb, TWO_D=recipe == "2d", SWIZZLE=swizzle, TE=op_order == "te",
                   num_warps=cfg["num_warps"])
-    if in_launch:
-        groups = e // share
-        work = torch.zeros(2 * groups + 1, dtype=torch.int32, device=w.device)   # amax bits, done, queue
-        item = cfg["amax_item_tiles"]
-        items = triton.cdiv(share * n_row_tiles * n_k_tiles, item)
-        if n_tiles:
-            per_sm = cfg["amax_programs_per_sm"]
-            programs = 2 if INTERPRET else torch.cuda.get_device_properties(w.device).multi_processor_count * per_sm
-            programs = min(2 * groups * items, programs)
-            lead = min(groups, max(1, triton.cdiv(programs, items)))     # groups of amax ahead of their quantize
-            _weight_amax_quant_kernel[(programs,)](
-                w3, work[:groups], work[groups:2 * groups], work[2 * groups:], codes, scales, gs, int(n_scales > 1),
-                n, k, n_row_tiles, n_k_tiles, share, groups, items, lead, ITEM=item, **consts)
-        amax = work[:groups].view(torch.float32).reshape(() if w.dim() == 2 else (groups,))
-        if check_finite and not bool(torch.isfinite(amax).all()):
-            raise ValueError(reference.NONFINITE_MESSAGE.format(name="weight"))
-        gs = gs.reshape(() if w.dim() == 2 else (n_scales,))
-    else:
-        amax_flat = amax.reshape(-1).contiguous()
-        if n_tiles:
-            _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
-                w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles,
-                n_tiles, PERSIST_STAGES=cfg["persist_stages"], **consts)
-        gs = gs.reshape(amax.shape)
+    amax_flat = amax.reshape(-1).contiguous()
+    if n_tiles:
+        _weight_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], w.device),)](
+            w3, amax_flat, 0 if amax_flat.numel() == 1 else 1, codes, scales, gs, n, k, n_row_tiles, n_k_tiles,
+            n_tiles, PERSIST_STAGES=cfg["persist_stages"], **consts)
+    gs = gs.reshape(amax.shape)
     if w.dim() == 2:
         codes, scales = codes[0], scales[0]
     return codes, scales, gs, amax if used is None else used
@@ -618,8 +543,7 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
     bit-identical to `reference.quantize_weight`.
 
     recipe: "1d" (1x16 blocks) or "2d" (16x16 tiles). amax: optional fp32 [] or [E] (e.g. the
-    learner's); without it max|w| per expert (WEIGHT_CONFIG's amax_in_launch: a reduction first, or in the
-    quantizer's launch, `_weight_amax_quant_kernel`).
+    learner's); without it max|w| per expert, reduced before the quantizer.
     op_order: "vllm" (the spec) or "te" (TransformerEngine's quantizer). check_finite: raise on NaN/Inf
     (one host sync; one extra read of w when amax is given); the converter's fast path passes False
     after checking amax itself. config: launch override (keys of WEIGHT_CONFIG), for tuning.
@@ -630,14 +554,13 @@ def quantize_weight(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor |
 
 
 def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,
-                         share: int = 1, op_order: str = "vllm", config: dict | None = None) -> torch.Tensor:
+                         share: int = 1, op_order: str = "vllm") -> torch.Tensor:
     """`quantize_weight` written into `out` (contiguous codes, linear block scales and decode scales of the
     result's sizes, e.g. views of a send buffer), no host sync and no NaN/Inf check: returns the
     amax used, given or computed (fp32 [E / share]: one amax for each `share` consecutive
-    experts, their global scales alike; [] for [N, K]); NaN or Inf in w make it non-finite. config: as
-    `quantize_weight`'s."""
+    experts, their global scales alike; [] for [N, K]); NaN or Inf in w make it non-finite."""
     return _weight_launch(w, recipe=recipe, amax=amax, check_finite=False, swizzle=False, op_order=op_order,
-                          out=out, share=share, config=config)[3]
+                          out=out, share=share)[3]
 
 
 def quantize_weight_swizzled(w: torch.Tensor, *, recipe: str = "1d", amax: torch.Tensor | None = None,

@@ -12,7 +12,7 @@ quantized the same way (a few launches per entry instead of several per expert);
 (q / k / v of a fused qkv) in one launch into its rows; a dense tensor is one copy. Everything lands
 at the plan's offsets of the send buffer (`TransferPlan.fused_views`): there is no pack step. Each call
 computes its amax itself (`dispatch.quantize_weight_into` without an amax: max|w| per expert, or per
-expert's parts with one shared scale, by a reduction before the quantizer or in its launch); NaN/Inf in a
+expert's parts with one shared scale, by a reduction before the quantizer); NaN/Inf in a
 quantized source show in that amax, checked on the device per bucket (a flag copied to pinned host memory,
 no host sync per entry); the sidecar's validation of the bucket checks what is sent.
 

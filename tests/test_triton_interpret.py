@@ -133,13 +133,11 @@ def check_quantizers(op_order: str) -> None:
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(3, 40, 96, generator=g) * torch.exp2(torch.randint(-20, 4, (3, 40, 1), generator=g).float()))
     w = w.to(torch.bfloat16)
-    one_launch = dict(amax_in_launch=True)
     for recipe in ("1d", "2d"):
-        for ws, amax, config in ((w[0], None, None), (w, None, None), (w[0], None, one_launch), (w, None, one_launch),
-                                 (w, torch.tensor([9.0, 2.0, 3.0]), None)):
-            assert_same(triton_quant.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order, config=config),
+        for ws, amax in ((w[0], None), (w, None), (w, torch.tensor([9.0, 2.0, 3.0]))):
+            assert_same(triton_quant.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
                          reference.quantize_weight(ws, recipe=recipe, amax=amax, op_order=op_order),
-                         f"weight {tuple(ws.shape)} {recipe} {op_order} {config}")
+                         f"weight {tuple(ws.shape)} {recipe} {op_order}")
 
 
 def check_gemv(op_order: str) -> None:
@@ -369,17 +367,14 @@ def check_moe_schedule_and_combine() -> None:
 def check_weight_into(op_order: str) -> None:
     """quantize_weight_into writes the reference's bits into views: stacked experts [E, 2R, K] as [2E, R, K]
     matrices (one call per fused entry) with the amax given or computed (per matrix, or one per `share`
-    matrices: an expert's gate and up; by a reduction first, or in the launch with items of one and two tiles:
-    one and two groups of amax items ahead), and a row slice of a fused qkv; the amax it returns is
+    matrices: an expert's gate and up), and a row slice of a fused qkv; the amax it returns is
     reference.weight_amax's (NaN where a matrix holds one, the others unchanged)."""
     from nvfp4_sampler.kernels import reference, triton_quant
     from nvfp4_sampler.kernels.format import NVFP4Tensor
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(8, 32, 64, generator=g) * 0.05).to(torch.bfloat16)
     w[5] = 0                                                          # a zero matrix: amax 0, S_enc 1
-    in_launch = [dict(amax_in_launch=True, amax_item_tiles=t) for t in (1, 2)]
-    for amax, share, config in ((reference.weight_amax(w), 1, None), (None, 1, None), (None, 2, None),
-                                *((None, s, c) for s in (1, 2) for c in in_launch)):
+    for amax, share in ((reference.weight_amax(w), 1), (None, 1), (None, 2)):
         per_matrix = reference.weight_amax(w)
         if share > 1:
             per_matrix = per_matrix.view(-1, share).amax(1).repeat_interleave(share)
@@ -387,9 +382,9 @@ def check_weight_into(op_order: str) -> None:
         codes, scales, s2 = (torch.zeros(4, 64, 32, dtype=torch.uint8), torch.zeros(4, 64, 4, dtype=torch.uint8),
                              torch.zeros(4, 2))
         out = NVFP4Tensor(codes.view(8, 32, 32), scales.view(torch.float8_e4m3fn).view(8, 32, 4), s2.view(8))
-        used = triton_quant.quantize_weight_into(w, out, amax=amax, share=share, op_order=op_order, config=config)
-        assert torch.equal(used, per_matrix[::share]), (used, share, config)
-        assert torch.equal(codes.view(8, 32, 32), want.codes), (share, config)
+        used = triton_quant.quantize_weight_into(w, out, amax=amax, share=share, op_order=op_order)
+        assert torch.equal(used, per_matrix[::share]), (used, share)
+        assert torch.equal(codes.view(8, 32, 32), want.codes), share
         assert torch.equal(scales.view(8, 32, 4), want.block_scales.view(torch.uint8))
         assert torch.equal(s2.view(8), want.global_scale)
     codes, scales, s2 = (torch.zeros(48, 32, dtype=torch.uint8), torch.zeros(48, 4, dtype=torch.float8_e4m3fn),
@@ -400,11 +395,10 @@ def check_weight_into(op_order: str) -> None:
     assert torch.equal(codes[16:48], want.codes) and not codes[:16].any()
     assert torch.equal(s2, torch.stack([torch.tensor(0.0), want.global_scale, torch.tensor(0.0)]))
     w[6, 3, 7] = float("nan")
-    for config in (None, *in_launch):
-        used = triton_quant.quantize_weight_into(w, NVFP4Tensor(torch.empty(8, 32, 32, dtype=torch.uint8),
-                                                                torch.empty(8, 32, 4, dtype=torch.float8_e4m3fn),
-                                                                torch.empty(8)), share=2, op_order=op_order, config=config)
-        assert used[3].isnan() and torch.equal(used[:3], reference.weight_amax(w[:6]).view(3, 2).amax(1)), config
+    used = triton_quant.quantize_weight_into(w, NVFP4Tensor(torch.empty(8, 32, 32, dtype=torch.uint8),
+                                                            torch.empty(8, 32, 4, dtype=torch.float8_e4m3fn),
+                                                            torch.empty(8)), share=2, op_order=op_order)
+    assert used[3].isnan() and torch.equal(used[:3], reference.weight_amax(w[:6]).view(3, 2).amax(1))
     try:
         triton_quant.quantize_weight(w, op_order=op_order)
     except ValueError as e:
