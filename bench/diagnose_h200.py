@@ -4,8 +4,10 @@ For random BF16 checkpoints of real shapes (`testing/checkpoints.py`: Qwen3-8B w
 Qwen3-30B-A3B with 2 layers; the tiny test tokenizer, whose ids fit both vocabularies), a sidecar over
 a vLLM child on the GPU (`nvfp4-sampler serve --engine vllm`, `--strict` for the strict runs, which sets
 VLLM_BATCH_INVARIANT=1 in the child) and the diagnose CLI against it: 8 prompts x 64 sampled tokens
-(temperature 1), the learner (transformers BF16 + per-token W4A4 of the same weights, on the CPU)
-teacher-forced on the same sequences, the operator layer (`--operators`), synthetic advantages.
+(temperature 1), the learner (transformers BF16 + per-token W4A4 of the same weights, on the same GPU:
+`--device cuda`; on the CPU the 8B shape's learner had not finished in ~8 minutes, H100 seventeenth
+session) teacher-forced on the same sequences, the operator layer (`--operators`), synthetic
+advantages. The vLLM child takes a fixed 1 GiB KV cache, so the learner has the rest of the GPU.
 Writes each report under OUT/SHAPE-EXECUTION/ (report.json, operators.json, plots) and prints one row
 per run: the gap (mean, max, quantiles), kl / k3, and the operator layer's activation-code mismatch.
 
@@ -62,13 +64,14 @@ def main() -> int:
             torch.cuda.empty_cache()
             for execution in EXECUTIONS:
                 key = f"{shape}-{execution}"
-                extra = ["--vllm-arg=--max-model-len=1024"] + (["--strict"] if execution == "strict" else [])
+                extra = ["--vllm-arg=--max-model-len=1024", "--vllm-arg=--gpu-memory-utilization=0.3",
+                         f"--vllm-arg=--kv-cache-memory-bytes={1 << 30}"] + (["--strict"] if execution == "strict" else [])
                 try:
                     with sidecar(ckpt, engine="vllm", log=out_root / f"{key}.sidecar.log", extra=extra,
                                  env={"NVFP4_SAMPLER_DEVICE": "cuda"}) as srv:
                         rc = cli(["diagnose", "--url", srv.url, "--model", str(ckpt), "--out", str(out_root / key),
                                   "--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens),
-                                  "--synthetic-advantages", "--operators"])
+                                  "--synthetic-advantages", "--operators", "--device", "cuda"])
                     rows[key] = summary(out_root / key) if rc == 0 else {"error": f"diagnose exit {rc}"}
                 except Exception as e:  # noqa: BLE001 - one failed run is reported; the others still run
                     rows[key] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -3,7 +3,7 @@
   diagnose --input run.json --out DIR
       run.json holds {"logp_sampler": [[...]], "logp_learner": [[...]], "advantages"?, "masks"?}
       (the /v1/diagnostics request body): writes DIR/report.json and the PNG plots.
-  diagnose --url URL --model BF16_DIR --out DIR [--learner per_token|per_tensor|bf16] [--operators]
+  diagnose --url URL --model BF16_DIR --out DIR [--learner per_token|per_tensor|bf16] [--operators] [--device D]
       samples responses from the sampler at URL (a sidecar over vLLM or the embedded engine, or a plain
       vLLM server) through the official `openai` client with its decode log-probs, recomputes them
       teacher-forced with a local learner (BF16_DIR quantized per --learner, plain torch), then writes
@@ -56,18 +56,20 @@ def add_parser(sub) -> None:
     p.add_argument("--advantages", default=None, help="comma-separated, one per response")
     p.add_argument("--synthetic-advantages", action="store_true", help="random +-1 per response (seeded)")
     p.add_argument("--operators", action="store_true", help="also the operator layer on the local weights")
+    p.add_argument("--device", default="cpu", help="where the local learner (and the operator layer) runs: cpu, "
+                   "cuda, cuda:N (its NVFP4 ops take that device's backends)")
     p.add_argument("--out", default="diagnose-out", help="output folder (report.json, *.png)")
     p.set_defaults(func=run)
 
 
-def load_learner(model_dir: str | Path, recipe: Recipe | None):
-    """The learner-side model: BF16 transformers, W4A4 quantized with `recipe` (weights and
+def load_learner(model_dir: str | Path, recipe: Recipe | None, device: str | torch.device = "cpu"):
+    """The learner-side model on `device`: BF16 transformers, W4A4 quantized with `recipe` (weights and
     activations, `sampler_plugin.torch_modules.quantize_model`), or plain BF16 when recipe is None."""
     from transformers import AutoModelForCausalLM
 
     from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     if recipe is not None:
         quantize_model(model, SamplerConfig(recipe=recipe))
     return model
@@ -76,10 +78,10 @@ def load_learner(model_dir: str | Path, recipe: Recipe | None):
 @torch.no_grad()
 def learner_logprobs(model, seqs: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
     """Teacher-forced log-probs of seq[p:] per sequence (one forward each, fp32 log-softmax)."""
-    out = []
+    out, dev = [], next(model.parameters()).device
     for s, p in zip(seqs, prompt_lens):
-        logits = model(input_ids=torch.tensor([s])).logits[0, p - 1:len(s) - 1].float()
-        out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s[p:])[:, None])[:, 0].tolist())
+        logits = model(input_ids=torch.tensor([s], device=dev)).logits[0, p - 1:len(s) - 1].float()
+        out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s[p:], device=dev)[:, None])[:, 0].tolist())
     return out
 
 
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         samples = sample(args.url, tok, prompts, max_tokens=args.max_tokens, seed=args.seed)
         recipe = recipe_from_args(args)
         learner = load_learner(args.model, None if args.learner == "bf16" else
-                               dataclasses.replace(recipe, activation_scaling=args.learner))
+                               dataclasses.replace(recipe, activation_scaling=args.learner), args.device)
         seqs = [p + r for p, r, _ in samples]
         pi_rows = learner_logprobs(learner, seqs, [len(p) for p, _, _ in samples])
         mu_rows, masks = [lp for _, _, lp in samples], None
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             rng = random.Random(args.seed)
             adv = [rng.choice((-1.0, 1.0)) for _ in samples]
         if args.operators:
-            sampler = load_learner(args.model, recipe)
+            sampler = load_learner(args.model, recipe, args.device)
             ops = {}
             for i, s in enumerate(seqs):
                 for name, row in compare(sampler, teacher_forced(learner, s), decode(sampler, s), sequence=i).items():

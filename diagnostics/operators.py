@@ -112,6 +112,10 @@ def record(model: torch.nn.Module) -> Recorder:
     return Recorder(model)
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """logits [T-1, V], tokens [T-1] -> float32 [T-1]."""
     return torch.log_softmax(logits.float(), -1).gather(1, tokens[:, None])[:, 0]
@@ -119,8 +123,8 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, tokens: list[int]) -> Trace:
-    """The learner side: one forward over the whole sequence (batch 1)."""
-    ids = torch.tensor([tokens])
+    """The learner side: one forward over the whole sequence (batch 1), on the model's device."""
+    ids = torch.tensor([tokens], device=_device(model))
     with record(model) as rec:
         logits = model(input_ids=ids).logits[0, :-1]
     tr = rec.trace()
@@ -136,17 +140,17 @@ def decode(model: torch.nn.Module, tokens: list[int], *, prefill: int = 1) -> Tr
 
     if not 1 <= prefill <= len(tokens):
         raise ValueError(f"prefill must be in [1, {len(tokens)}], got {prefill}")
-    cache = DynamicCache()
+    cache, dev = DynamicCache(), _device(model)
     rows = []
     with record(model) as rec:
-        out = model(input_ids=torch.tensor([tokens[:prefill]]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([tokens[:prefill]], device=dev), past_key_values=cache, use_cache=True)
         cache, rows = out.past_key_values, list(out.logits[0])
         for t in tokens[prefill:]:
-            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             rows.append(out.logits[0, -1])
     tr = rec.trace()
-    tr.logprobs = _token_logprobs(torch.stack(rows[:-1]), torch.tensor(tokens[1:]))
+    tr.logprobs = _token_logprobs(torch.stack(rows[:-1]), torch.tensor(tokens[1:], device=dev))
     return tr
 
 
@@ -175,11 +179,11 @@ def _expert_outputs(module: NVFP4Experts, x: torch.Tensor, tok: torch.Tensor, ex
     """Output [P, H] float32 of expert expert[p] on token row x[tok[p]] (routing weight 1), per pair."""
     w13 = NVFP4Tensor(*module.w13)
     w2 = NVFP4Tensor(*module.w2)
-    out = torch.empty(tok.numel(), x.shape[-1])
+    out = torch.empty(tok.numel(), x.shape[-1], device=x.device)
     for e in expert.unique().tolist():
         sel = (expert == e).nonzero()[:, 0]
-        ids = torch.full((sel.numel(), 1), e, dtype=torch.long)
-        out[sel] = R.moe(x[tok[sel]], w13, w2, torch.ones(sel.numel(), 1), ids, op_order=module.config.recipe.op_order).float()
+        ids = torch.full((sel.numel(), 1), e, dtype=torch.long, device=x.device)
+        out[sel] = R.moe(x[tok[sel]], w13, w2, torch.ones(sel.numel(), 1, device=x.device), ids, op_order=module.config.recipe.op_order).float()
     return out
 
 

@@ -132,3 +132,27 @@ def test_diagnose_learner_takes_the_recipe(tmp_path):
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got = ops.Quantized.of(x, scaling="per_token", op_order=layer.config.recipe.op_order)
     assert torch.equal(got.global_scale, reference.quantize_per_token(x, op_order="te").global_scale)
+
+
+@pytest.mark.gpu
+def test_learner_and_operator_layer_on_the_gpu(tmp_path, moe_models):
+    """`diagnose --device cuda`: the learner loads on the GPU with the CPU learner's weight bits, and the
+    operator layer runs there (first layer's q/k/v see the same embeddings on both paths: no flip)."""
+    from nvfp4_sampler.diagnostics.cli import learner_logprobs, load_learner
+    from nvfp4_sampler.testing import models
+
+    path = models.tiny_qwen3(tmp_path / "m", seed=3)
+    cpu, gpu = load_learner(path, Recipe()), load_learner(path, Recipe(), "cuda")
+    name = "model.layers.0.mlp.down_proj"
+    assert gpu.get_submodule(name).codes.is_cuda
+    assert torch.equal(gpu.get_submodule(name).codes.cpu(), cpu.get_submodule(name).codes)
+    seq = list(range(3, 30))
+    lp = learner_logprobs(gpu, [seq], [5])[0]
+    assert len(lp) == len(seq) - 5 and all(v <= 0 for v in lp)
+    model, _, tokens = moe_models
+    model = copy.deepcopy(model).cuda()
+    rt = ops.compare(model, ops.teacher_forced(model, tokens), ops.decode(model, tokens))
+    first = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert all(rt[n]["input_rel_err"] == 0 and rt[n]["act_code_mismatch"] == 0 for n in first)
+    moe = rt["model.layers.0.mlp.experts"]
+    assert moe["shared_pairs"] == round(24 * 2 * (1 - moe["routing_flip_rate"]))
