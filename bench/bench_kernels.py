@@ -268,9 +268,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 row["wgmma_tiled_kernel_ms"] = tried_ms(   # the warpgroup-MMA variant, tiles as the default's
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **(tuned | {"wgmma": True}))
                              for w in w_t]) / len(w_t)
-                for form, cluster in (("cluster", True), ("global", False)):   # both split-K forms (same bits)
+                for form, opts in (("cluster", dict(cluster=True)), ("global", dict(cluster=False)),   # the split-K
+                                   ("push", dict(cluster=True, push=True, persist=False))):         # forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
-                        xq.values, xq.global_scale, w, out, cluster=cluster, **tuned) for w in w_t]) / len(w_t)
+                        xq.values, xq.global_scale, w, out, **(tuned | opts)) for w in w_t]) / len(w_t)
                 row["one_tile_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(   # one tile a CTA (the default up to
                     xq.values, xq.global_scale, w, out, persist=False, **tuned) for w in w_t]) / len(w_t)   # 16 tokens)
                 # persistent CTAs (same bits, same tiles) by ring depth: their rings stream across row tiles
@@ -458,6 +459,7 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
         cuda_mma.launch(xq.values, xq.global_scale, w, got, **tuned, **form)
         return got.view(torch.int16)
     want, forms = run(), {"one-tile": dict(persist=False), "cluster": dict(cluster=True), "global": dict(cluster=False),
+                          "push": dict(cluster=True, push=True, persist=False),
                           "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True)}
     forms |= {f"persist s{st}": dict(persist=True, stages=st) for st in MMA_STAGES_SWEEP}
     same = {}
@@ -472,10 +474,11 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
 
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
-    one tile a CTA, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
+    one tile a CTA, the split-K pushed to its owners, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
     exact Triton GEMM by configuration."""
     forms = {"default": r.get("mma_tiled_tuned_kernel_ms", r["mma_tiled_kernel_ms"]), "wgmma": r["wgmma_tiled_kernel_ms"]}
     forms |= {"one-tile": r["one_tile_kernel_ms"]} if "one_tile_kernel_ms" in r else {}
+    forms |= {"push": r["push_tiled_kernel_ms"]} if "push_tiled_kernel_ms" in r else {}
     forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
     forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
     forms |= {f"persist {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
@@ -518,7 +521,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("linear"):
         if "mma_kernel_ms" in r:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: wgmma variant alone {r['wgmma_tiled_kernel_ms'] * 1e3:.1f} us, "
-                  f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
+                  f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, pushed to their owners "
+                  f"{r['push_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
                   f"{r['global_tiled_kernel_ms'] * 1e3:.1f} us vs the default "
                   f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)"
                   + _swept(r, "persist_stages_ms", "persistent CTAs by stages")

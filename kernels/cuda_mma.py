@@ -91,7 +91,12 @@ WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # slices, or through global FP32 planes. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster):
 # 8B down M = 1 17.7 / 14.2, M = 16 28.3 / 19.7; the four 8B linears summed: M = 1 59.5 / 52.9, M = 16
 # 83.6 / 75.5, M = 32 124.4 / 113.1, M = 64 194.5 / 194.5
-CLUSTER = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("cluster", "global")) == "cluster"
+# "push" (one tile a CTA, rw >= S): each warp pushes its partial sums into the owner CTA's shared memory
+# (st.async on the owner's mbarrier) instead of every CTA pulling them behind two cluster barriers (the .cu
+# file's CLUSTER_PUSH; the same bits). Not yet measured: Nsight (H100, sixteenth session) had the pulled form's
+# two barriers and their release fences at 23% of the M = 16 launch's stall samples.
+_SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("cluster", "global", "push"))
+CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
@@ -169,10 +174,12 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                 for persist in sorted({False, persist_default(most, False)}):
                     for out_dtype in (torch.bfloat16, torch.float16):
                         for tiled in (False, True):
-                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist, PREFETCH and tiled)
+                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist, PREFETCH and tiled,
+                                    PUSH and cluster and not persist)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 for persist in sorted({False, PERSIST}):
-                    _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
+                    _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist, False,
+                            PUSH and cluster and not persist)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -365,26 +372,29 @@ def _wgmma_source(nt: int) -> str:
 
 
 def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
-                   cluster: bool = False, persist: bool = False, prefetch: bool = False) -> tuple[str, list[str]]:
+                   cluster: bool = False, persist: bool = False, prefetch: bool = False,
+                   push: bool = False) -> tuple[str, list[str]]:
     """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
     check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
                f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}",
-               f"-DPREFETCH={int(prefetch)}"]
+               f"-DPREFETCH={int(prefetch)}", f"-DCLUSTER_PUSH={int(push)}"]
     return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
-            wgmma: bool = False, cluster: bool = False, persist: bool = False, prefetch: bool = False):
+            wgmma: bool = False, cluster: bool = False, persist: bool = False, prefetch: bool = False,
+            push: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
     wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters;
-    persist: persistent CTAs (`PERSIST`); prefetch: L2 prefetch of the slices (`PREFETCH`, tiled only)."""
+    persist: persistent CTAs (`PERSIST`); prefetch: L2 prefetch of the slices (`PREFETCH`, tiled only); push:
+    the cluster's split-K pushed to its owners (`CLUSTER_PUSH`, with cluster, one tile a CTA)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch)
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch, push)
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -398,16 +408,17 @@ def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, 
     names = ["w4a16_mma", "w4_dequant"] if tiled else ["w4a16_mma"]
     with torch.cuda.device(device_index):
         kernels = _utils._cuda_load_module(ptx, names)
-        smem = _smem_bytes(nt, _MAX_CPS, rw, stages, persist and cluster)
+        smem = _smem_bytes(nt, _MAX_CPS, rw, stages, rw if persist and cluster else 2 * rw if push else 0)
         kernels["w4a16_mma"].set_shared_memory_config(min(smem, _SMEM_LIMIT))
     return kernels
 
 
-def _smem_bytes(nt: int, cps: int, rw: int, stages: int, persist_red: bool = False) -> int:
+def _smem_bytes(nt: int, cps: int, rw: int, stages: int, red_slots: int = 0) -> int:
     """Dynamic shared memory of a CTA: its activation slice, fp16 [nt * 8, cps * 128], then each warp's
-    ring of `stages` chunks; persist_red: then the persistent cluster form's split-K partial sums, fp32
-    [rw][nt][4][32] (the one-tile form reuses the activations' space)."""
-    return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES + (rw * nt * 512 if persist_red else 0)
+    ring of `stages` chunks, then `red_slots` slots of split-K partial sums, fp32 [nt][4][32] each (the
+    persistent cluster form's: rw; the pushed form's landing space: ceil(rw / S) * S; the pulled one-tile
+    form reuses the activations' space)."""
+    return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES + red_slots * nt * 512
 
 
 @functools.lru_cache(maxsize=None)
@@ -461,7 +472,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
            cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None,
-           prefetch: bool | None = None) -> torch.Tensor:
+           prefetch: bool | None = None, push: bool | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -485,6 +496,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           persist_ctas: override of their number per row position (`persistent_ctas`; tests, benchmarks)
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
+    push  the cluster's split-K partial sums pushed into their owner CTAs (where the launch splits K through
+          a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K=push)
     """
     m, k = x.shape
     n = w.shape[-2]
@@ -532,17 +545,20 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
-    cluster = cfg["CLUSTER"]
-    smem = _smem_bytes(nt, cfg["CPS"], rw, stages, persist and cluster)
+    cluster, slices = cfg["CLUSTER"], cfg["S"]
+    smem = _smem_bytes(nt, cfg["CPS"], rw, stages, rw if persist and cluster else 0)
     if persist and chosen and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
         persist, smem = False, _smem_bytes(nt, cfg["CPS"], rw, stages)   # form does not fit, one tile a CTA
-    if cluster and not persist:                      # the partial sums reuse the space: [rw][nt][4][32] fp32
+    push = (PUSH if push is None else push) and cluster and not persist and rw >= slices > 1
+    if push:                                         # the landing space of the pushed partial sums
+        smem = _smem_bytes(nt, cfg["CPS"], rw, stages, -(-rw // slices) * slices)
+    elif cluster and not persist:                    # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}"
                          + (" (persistent: with the split-K partial sums' space)" if persist and cluster else ""))
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]

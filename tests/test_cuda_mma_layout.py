@@ -269,8 +269,10 @@ def test_throughput_options_only_above_8_tokens_and_only_prepared_variants():
             cps = cuda_mma.config(n, k, cps=o.get("cps"))["CPS"]
             assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES) <= cuda_mma._SMEM_LIMIT
             # the persistent form fits too (its split-K partial sums in a space of their own): engines that
-            # turn it on never fall back to one tile a CTA
-            assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES, persist_red=True) <= cuda_mma._SMEM_LIMIT
+            # turn it on never fall back to one tile a CTA; and the pushed split-K's landing space (S <= rw)
+            assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES, rw) <= cuda_mma._SMEM_LIMIT
+            s = cuda_mma.config(n, k, cps=o.get("cps"))["S"]
+            assert cuda_mma._smem_bytes(nt, cps, rw, cuda_mma.STAGES, -(-rw // s) * s) <= cuda_mma._SMEM_LIMIT
 
 
 def _w_index(n0: int, g: int, t: int, half: int, c: int, k: int, tiled: bool) -> int:

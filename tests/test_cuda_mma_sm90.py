@@ -113,6 +113,27 @@ def test_compiles_for_sm90_without_spills(nt, rw, out_dtype, tiled, stages, wgmm
         assert sass.count("HMMA.16816.F32") >= 8 * nt, "mma.sync m16n8k16 for each k16 step and token tile"
 
 
+@pytest.mark.parametrize("nt,rw,out_dtype,tiled,wgmma", [(2, 8, _BF16, True, False), (1, 4, _FP32, False, False),
+                                                         (2, 8, _BF16, True, True), (4, 16, _BF16, True, True),
+                                                         (8, 8, _BF16, True, True)])
+def test_pushed_split_k_has_one_cluster_barrier_and_no_release_fence(nt, rw, out_dtype, tiled, wgmma):
+    """The pushed split-K (`CLUSTER_PUSH`): no spills and at most 4 registers more than the pulled form; one
+    cluster barrier (arrived in the prologue, waited for before the pushes) instead of two, the partial sums
+    sent as st.async (STAS) and counted on an mbarrier (SYNCS), and no GPU-scope fence (the pulled form's
+    release puts a MEMBAR.GPU before each of its barriers)."""
+    variant = dict(nt=nt, rw=rw, out_dtype=out_dtype, tiled=tiled, stages=cuda_mma.STAGES, wgmma=wgmma, cluster=True)
+    arch = "90a" if wgmma else "90"
+    pull_log, pull = _compile(arch, **variant)
+    log, sass = _compile(arch, **variant, push=True)
+    info = _main_kernel_info(log)
+    assert "0 bytes spill stores, 0 bytes spill loads" in info, info
+    regs = [int(re.search(r"Used (\d+) registers", _main_kernel_info(x)).group(1)) for x in (pull_log, log)]
+    assert regs[1] <= regs[0] + 4, regs
+    assert pull.count("UCGABAR_ARV") == 2 and sass.count("UCGABAR_ARV") == 1 and sass.count("UCGABAR_WAIT") == 1
+    assert sass.count("STAS.128") >= nt and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass and "SYNCS.ARRIVE.TRANS64" in sass
+    assert "MEMBAR.ALL.GPU" in pull and "MEMBAR.ALL.GPU" not in sass and "ERRBAR" not in sass
+
+
 @pytest.mark.parametrize("nt,rw", cuda_mma.VARIANTS)
 @pytest.mark.parametrize("cluster", [False, True])
 def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw, cluster):

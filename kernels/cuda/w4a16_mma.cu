@@ -12,6 +12,10 @@
 //             needs RW % 4 == 0 and `wgmma_k32`, which the host generates for NT (`cuda_mma._wgmma_source`)
 //   CLUSTER   1: launched as clusters of the S split-K CTAs of a tile (1 x S x 1, S <= 8), which add their
 //             partial sums through distributed shared memory instead of FP32 planes in global memory
+//   CLUSTER_PUSH  1 (CLUSTER, one tile a CTA, RW >= S): each warp pushes its partial sums into the owner CTA's
+//             shared memory (st.async, counted on the owner's mbarrier) instead of every CTA pulling them
+//             behind two cluster barriers: no release fence before the reduction, no second barrier (its
+//             sources are registers); the owner waits for its bytes only. The same bits
 //   PERSIST   1: a CTA computes row tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches about one
 //             wave of CTAs): its activations are staged once, and each warp's ring streams the chunks of its
 //             next tile while the current one is reduced and stored, so the weight stream does not drain
@@ -76,6 +80,12 @@ typedef unsigned long long u64;
 #endif
 #ifndef PERSIST
 #define PERSIST 0
+#endif
+#ifndef CLUSTER_PUSH
+#define CLUSTER_PUSH 0
+#endif
+#if CLUSTER_PUSH && (!CLUSTER || PERSIST)
+#error "CLUSTER_PUSH is the one-tile form of CLUSTER"
 #endif
 #ifndef PREFETCH
 #define PREFETCH 0
@@ -162,6 +172,30 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
 // Every thread of the cluster's CTAs arrives (release: its shared-memory stores before) and waits (acquire).
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Shared address `addr` of this CTA mapped to the cluster's CTA `rank`.
+__device__ __forceinline__ u32 map_cluster(u32 addr, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// Four fp32 into another CTA's shared memory (cluster addresses), counted on its mbarrier `bar` (complete_tx).
+__device__ __forceinline__ void st_async4(u32 addr, const float (&v)[4], u32 bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(bar) : "memory");
+}
+
+// Waits for phase 0 of this CTA's mbarrier `bar` (its expected bytes all arrived); acquire: they are visible.
+// A protocol fault traps (a launch error) after ~2^22 polls (seconds) instead of hanging the device.
+__device__ __forceinline__ void mbar_wait0(u32 bar) {
+  u32 done = 0;
+  for (u32 polls = 0; !done; ++polls) {
+    if (polls == (1u << 22)) __trap();
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar) : "memory");
+  }
 }
 
 // The fp32 at shared address `addr` of the cluster's CTA `rank`.
@@ -344,6 +378,24 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   int n0 = (blockIdx.x * RW + warp) * 16;    // PERSIST: the rows of the CTA's first tile, then of each next one
   bool rows_ok = n0 < N;
 
+#if CLUSTER_PUSH
+  // The owner side of the split-K push (3'): this CTA's mbarrier expects the bytes the other S - 1 CTAs push
+  // for its warps' rows (warp % S == split). Initialised, armed and fenced for the cluster before the
+  // cluster barrier's arrive, whose wait (before the pushes) makes it visible to them.
+  __shared__ __align__(8) u64 red_bar;
+  const u32 bar_s = smem_addr(&red_bar);
+  if (S > 1) {
+    if (threadIdx.x == 0) {
+      const u32 bytes = (RW - split + S - 1) / S * (S - 1) * NT * 32 * 16;
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
+      asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
+                   ::"r"(bar_s), "r"(bytes) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  }
+#endif
+
   // 1. the first chunks of weights in flight, then the CTA's activations staged in shared memory,
   //    permuted into the weight's pair order. Each lane's sources at chunk c0 (codes of rows g and g + 8,
   //    the scale pair it copies) step by CSTEP vectors per chunk in both layouts.
@@ -490,7 +542,37 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // 3. split-K: partial planes, the last CTA of the tile adds them in plane order (the epilogue's scales
   //    loaded here unless early_scales, their latency behind the stores)
   if (!early_scales) epilogue_scales(sa, sw, x_gs, w_gs, w_gs_stride, m0, m_end, n0, g, t, rows_ok);
-#if CLUSTER
+#if CLUSTER_PUSH
+  // 3'. split-K pushed through the cluster: warp's partials [NT][lane][4] go to slot (warp / S) * S + split of
+  //     the landing space after the rings (ceil(RW / S) * S slots) in the CTA of rank warp % S, whose warp adds
+  //     the S partials in rank order from 0.f (its own from registers) and finishes the rows; the others exit
+  if (S > 1) {
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");    // every CTA's mbarrier armed
+    const float* land = reinterpret_cast<const float*>(xs + NT * 8 * cps * 16 + RW * STAGES * SLOT);
+    const int owner = warp % S, slots = (warp / S) * S;
+    if (owner != split) {
+      const u32 dst = map_cluster(smem_addr(land + ((slots + split) * NT * 32 + lane) * 4), owner);
+      const u32 bar = map_cluster(bar_s, owner);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) st_async4(dst + j * 32 * 16, acc[j], bar);
+      return;
+    }
+    mbar_wait0(bar_s);
+    float own[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) own[j][v] = acc[j][v], acc[j][v] = 0.f;
+    for (int s = 0; s < S; ++s)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 p = s == split ? make_float4(own[j][0], own[j][1], own[j][2], own[j][3])
+                                    : *reinterpret_cast<const float4*>(land + (((slots + s) * NT + j) * 32 + lane) * 4);
+        acc[j][0] = __fadd_rn(acc[j][0], p.x), acc[j][1] = __fadd_rn(acc[j][1], p.y);
+        acc[j][2] = __fadd_rn(acc[j][2], p.z), acc[j][3] = __fadd_rn(acc[j][3], p.w);
+      }
+  }
+#elif CLUSTER
   // 3'. split-K through the cluster: partials [warp][j][v][lane] into this CTA's shared memory (the
   //     activations' and rings' space, free once every warp is past its last MMA; PERSIST: red_tiles), then
   //     the CTA of rank warp % S adds the S CTAs' partials of warp's rows in rank order and finishes them
