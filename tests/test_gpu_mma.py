@@ -345,3 +345,40 @@ def test_moe_glue_kernels_match_their_torch_forms(mods, tokens, top_k, experts):
     act = (torch.nn.functional.silu(h[:, :768]) * h[:, 768:]).to(torch.bfloat16)
     ref = tq.quantize_per_token_exact(act, dtype=torch.float16)
     assert (got.values == ref.values).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("n,k", [(640, 2048), (4096, 4096), (2048, 12288)])
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_staged_activations_give_the_loaded_bits(mods, monkeypatch, m, n, k, wgmma):
+    """`launch(staged=True)` on the quantizer's staged copy (`quantize_per_token_exact(staged=
+    cuda_mma.staged_layout(M, **options))`: one bulk copy a CTA): the bits of the same launch on the plain rows,
+    with the default tiles and `throughput_options`' (persistent, 16 warps), split-K pulled, pushed and through
+    global planes, in a CUDA graph too; and the linear path with the switch on."""
+    cuda_mma, triton_gemm, tq = mods
+    x, w = _x(m, k, seed=m + 3 * k), cuda_mma.tile_weight(_w(n, k, seed=n + 1, per_row=False))
+    plain = tq.quantize_per_token_exact(x, dtype=torch.float16)
+    options = cuda_mma.throughput_options(m, n, k, warpgroup=True) | {"wgmma": wgmma} if wgmma else {"wgmma": False}
+    rw = options.get("rw", cuda_mma.tiles(m)[1])
+    if wgmma and rw % 4:
+        options["rw"] = 4 * -(-rw // 4)
+    staged = tq.quantize_per_token_exact(x, dtype=torch.float16, staged=cuda_mma.staged_layout(m, **options))
+    assert torch.equal(staged.global_scale, plain.global_scale)
+    for split in (dict(cluster=True), dict(cluster=True, push=True, persist=False), dict(cluster=False)):
+        want, got = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cuda_mma.launch(plain.values, plain.global_scale, w, want, **options, **split)
+        cuda_mma.launch(staged.values, staged.global_scale, w, got, staged=True, **options, **split)
+        assert torch.equal(got, want), split
+    graph, out = torch.cuda.CUDAGraph(), torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.graph(graph):
+        cuda_mma.launch(staged.values, staged.global_scale, w, out, staged=True, **options)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    t = cuda_mma.staged_layout(m, **options)[0]
+    with pytest.raises(ValueError, match="staged x"):
+        cuda_mma.launch(torch.zeros(-(-m // t) * t + 8, k, device="cuda", dtype=torch.float16), plain.global_scale, w,
+                        out, staged=True, **options)
+    want = triton_gemm.linear(x, w, path="mma")
+    monkeypatch.setattr(cuda_mma, "STAGED_X", True)
+    assert torch.equal(triton_gemm.linear(x, w, path="mma"), want)
