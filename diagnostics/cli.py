@@ -26,7 +26,7 @@ import torch
 from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS, Recipe, SamplerConfig
 from nvfp4_sampler.sampler_format.args import add_recipe_args, recipe_from_args
 
-from .operators import compare, decode, teacher_forced
+from .operators import compare, decode, model_device, teacher_forced
 from .plots import write_plots
 from .report import Params, mismatch_report, pad
 
@@ -78,7 +78,7 @@ def load_learner(model_dir: str | Path, recipe: Recipe | None, device: str | tor
 @torch.no_grad()
 def learner_logprobs(model, seqs: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
     """Teacher-forced log-probs of seq[p:] per sequence (one forward each, fp32 log-softmax)."""
-    out, dev = [], next(model.parameters()).device
+    out, dev = [], model_device(model)
     for s, p in zip(seqs, prompt_lens):
         logits = model(input_ids=torch.tensor([s], device=dev)).logits[0, p - 1:len(s) - 1].float()
         out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s[p:], device=dev)[:, None])[:, 0].tolist())

@@ -112,7 +112,8 @@ def record(model: torch.nn.Module) -> Recorder:
     return Recorder(model)
 
 
-def _device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of a model's parameters (where its inputs go)."""
     return next(model.parameters()).device
 
 
@@ -124,7 +125,7 @@ def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def teacher_forced(model: torch.nn.Module, tokens: list[int]) -> Trace:
     """The learner side: one forward over the whole sequence (batch 1), on the model's device."""
-    ids = torch.tensor([tokens], device=_device(model))
+    ids = torch.tensor([tokens], device=model_device(model))
     with record(model) as rec:
         logits = model(input_ids=ids).logits[0, :-1]
     tr = rec.trace()
@@ -140,7 +141,7 @@ def decode(model: torch.nn.Module, tokens: list[int], *, prefill: int = 1) -> Tr
 
     if not 1 <= prefill <= len(tokens):
         raise ValueError(f"prefill must be in [1, {len(tokens)}], got {prefill}")
-    cache, dev = DynamicCache(), _device(model)
+    cache, dev = DynamicCache(), model_device(model)
     rows = []
     with record(model) as rec:
         out = model(input_ids=torch.tensor([tokens[:prefill]], device=dev), past_key_values=cache, use_cache=True)

@@ -543,11 +543,10 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if m == 0:
         return out
     cfg = config(n, k, cps=cps, cluster=cluster)
-    t = staged_layout(m, nt=nt)[0]
-    if staged and (schedule is not None or x.shape != (-(-m // t) * t, k)):
-        raise ValueError(f"staged x is dense, [ceil(M / T) * T, K] for the launch's T = {t}: got {tuple(x.shape)} for "
-                         f"M={m}" + (" with a schedule" if schedule is not None else ""))
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
+    if staged and (schedule is not None or x.shape != (-(-m // (8 * nt)) * 8 * nt, k)):
+        raise ValueError(f"staged x is dense, [ceil(M / T) * T, K] for the launch's T = {8 * nt}: got "
+                         f"{tuple(x.shape)} for M={m}" + (" with a schedule" if schedule is not None else ""))
     wgmma = WGMMA if wgmma is None else wgmma
     chosen, persist = persist is None, persist_default(m, schedule is not None) if persist is None else persist
     if wgmma and rw % 4:

@@ -353,10 +353,9 @@ def quantize_weight_into(w: torch.Tensor, out: NVFP4Tensor, *, amax: torch.Tenso
     scales e4m3 and decode scales fp32 of the result's sizes, e.g. views of a send buffer), with the given
     amax (fp32 [] or [E]) or, without one, max|w| per `share` consecutive experts (their global scales
     alike); returns the amax used ([E / share] or [] when computed). The Triton backend writes there directly
-    (the amax reduced first) and neither checks
-    w's values nor syncs the host: NaN/Inf in w show in the returned amax, which the caller checks on the
-    device. The reference backend quantizes and
-    copies (one host sync; a non-finite amax leaves out unwritten)."""
+    (the amax reduced first) and neither checks w's values nor syncs the host: NaN/Inf in w show in the
+    returned amax, which the caller checks on the device. The reference backend quantizes and copies (one
+    host sync; a non-finite amax leaves out unwritten)."""
     return quantizer(w.device, backend).quantize_weight_into(w, out, amax=amax, share=share, recipe=recipe,
                                                              op_order=op_order)
 

@@ -176,6 +176,18 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 
+// Initialises this CTA's mbarrier `bar` for one arrival, fenced so that the cluster's async copies may count on it.
+__device__ __forceinline__ void mbar_init(u32 bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The one arrival on mbarrier `bar`, which then completes its phase once `bytes` have arrived (complete_tx).
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
 // Waits for phase 0 of this CTA's mbarrier `bar` (its expected bytes all arrived); acquire: they are visible.
 // A protocol fault traps (a launch error) after ~2^22 polls (seconds) instead of hanging the device.
 __device__ __forceinline__ void mbar_wait0(u32 bar) {
@@ -394,11 +406,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   const u32 bar_s = smem_addr(&red_bar);
   if (S > 1) {
     if (threadIdx.x == 0) {
-      const u32 bytes = (RW - split + S - 1) / S * (S - 1) * NT * 32 * 16;
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
-      asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
-                   ::"r"(bar_s), "r"(bytes) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_init(bar_s);
+      mbar_expect_tx(bar_s, (RW - split + S - 1) / S * (S - 1) * NT * 32 * 16);
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   }
@@ -455,16 +464,12 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   {
     __shared__ __align__(8) u64 x_bar;
     const u32 bar = smem_addr(&x_bar);
-    if (threadIdx.x == 0) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbar_init(bar);
     __syncthreads();
     if (threadIdx.x == 0) {
       const u32 bytes = nc * NT * 8 * 128 * 2;
       const uint4* src = x + ((size_t)blockIdx.z * chunks + c0) * (NT * 8 * 16);
-      asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}"
-                   ::"r"(bar), "r"(bytes) : "memory");
+      mbar_expect_tx(bar, bytes);
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                    ::"r"(smem_addr(xs)), "l"(src), "r"(bytes), "r"(bar) : "memory");
     }
