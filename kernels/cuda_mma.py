@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import math
 import os
 import pathlib
@@ -91,11 +92,12 @@ WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # slices, or through global FP32 planes. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster):
 # 8B down M = 1 17.7 / 14.2, M = 16 28.3 / 19.7; the four 8B linears summed: M = 1 59.5 / 52.9, M = 16
 # 83.6 / 75.5, M = 32 124.4 / 113.1, M = 64 194.5 / 194.5
-# "push" (one tile a CTA, rw >= S): each warp pushes its partial sums into the owner CTA's shared memory
-# (st.async on the owner's mbarrier) instead of every CTA pulling them behind two cluster barriers (the .cu
-# file's CLUSTER_PUSH; the same bits). Not yet measured: Nsight (H100, sixteenth session) had the pulled form's
-# two barriers and their release fences at 23% of the M = 16 launch's stall samples.
-_SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("cluster", "global", "push"))
+# "push" (the default; dense launches of one tile a CTA, rw >= S, where its landing space fits): each warp
+# pushes its partial sums into the owner CTA's shared memory (st.async on the owner's mbarrier) instead of
+# every CTA pulling them behind two cluster barriers (the .cu file's CLUSTER_PUSH; the same bits); "cluster"
+# pulls them. H100 (2026-12-06, bench_decode_8b, kernel alone on tiled weights, us pulled / pushed) 8B qkv, o,
+# gate_up, down at M = 16: 11.6 / 10.9, 10.7 / 9.4, 30.8 / 29.1, 17.9 / 17.1; at M = 1 ties to 4% faster
+_SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("push", "cluster", "global"))
 CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
 # Dense decode launches read x as the quantizer's staged copy (`staged_layout`; the .cu file's STAGED_X): one bulk
@@ -161,8 +163,9 @@ def supported(device: torch.device) -> tuple[bool, str]:
 def prepare(device: torch.device) -> tuple[bool, str]:
     """Load-time set-up on `device`: the probe, every kernel variant a forward may launch compiled and
     loaded (dense: bf16/fp16 out, both layouts; grouped MoE: fp32 out, ModelOpt; with CLUSTER both
-    split-K forms, since S = 1 or S > CLUSTER_MAX_S keep the planes; one tile a CTA and the persistent
-    forms `persist_default` may choose), the split-K tickets allocated, so
+    split-K forms, since S = 1 or S > CLUSTER_MAX_S keep the planes, and with PUSH the pushed and pulled
+    one-tile forms; one tile a CTA and the persistent forms `persist_default` may choose), the split-K
+    tickets allocated, so
     that no forward (and no CUDA-graph capture) compiles or allocates them. (ok, reason)."""
     ok, reason = supported(device)
     if not ok:
@@ -176,14 +179,15 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                 most = next(top for top, t, _ in TILES if t == nt) or math.inf
                 wgmma = WGMMA or throughput_wgmma(rw, has_wgmma(device))
                 for persist in sorted({False, persist_default(most, False)}):
-                    for out_dtype in (torch.bfloat16, torch.float16):
-                        for tiled in (False, True):
-                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist, PREFETCH and tiled,
-                                    PUSH and cluster and not persist, STAGED_X)
+                    # one tile a CTA through a cluster: pushed, and pulled where S > rw or the landing space
+                    # does not fit (a slice of `config`'s CPS decides, which this loop does not know)
+                    for push in sorted({False, PUSH and cluster and not persist}):
+                        for out_dtype, tiled in itertools.product((torch.bfloat16, torch.float16), (False, True)):
+                            _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist,
+                                    PREFETCH and tiled, push, STAGED_X)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 for persist in sorted({False, PERSIST}):
-                    _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist, False,
-                            PUSH and cluster and not persist)
+                    _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
     _tickets(index)
@@ -509,7 +513,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
     push  the cluster's split-K partial sums pushed into their owner CTAs (where the launch splits K through
-          a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K=push)
+          a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K) on dense
+          launches whose landing space fits
     staged  x is the quantizer's staged copy for this launch (dense; `staged_layout(M, **options)`:
           [ceil(M / T) * T, K], M = x_gs's length), copied into shared memory in one bulk copy a CTA (the same bits)
     """
@@ -566,9 +571,12 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     smem = _smem_bytes(nt, cfg["CPS"], rw, stages, rw if persist and cluster else 0)
     if persist and chosen and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
         persist, smem = False, _smem_bytes(nt, cfg["CPS"], rw, stages)   # form does not fit, one tile a CTA
-    push = (PUSH if push is None else push) and cluster and not persist and rw >= slices > 1
-    if push:                                         # the landing space of the pushed partial sums
-        smem = _smem_bytes(nt, cfg["CPS"], rw, stages, -(-rw // slices) * slices)
+    push_smem = _smem_bytes(nt, cfg["CPS"], rw, stages, -(-rw // slices) * slices)   # with the landing space
+    if push is None:                                 # the default's speed choice: dense, where the space fits
+        push = PUSH and schedule is None and push_smem <= _SMEM_LIMIT
+    push = push and cluster and not persist and rw >= slices > 1
+    if push:
+        smem = push_smem
     elif cluster and not persist:                    # the partial sums reuse the space: [rw][nt][4][32] fp32
         smem = max(smem, rw * nt * 512)
     if smem > _SMEM_LIMIT:
