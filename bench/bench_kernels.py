@@ -265,18 +265,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 tuned = cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(x.device),
                                                      slices=cuda_mma.small_slices(x.device))
                 row["same_bits"] = same_bits_forms(xq, w_t[0], out, tuned)
-                staged = triton_quant.quantize_per_token_exact(x, dtype=torch.float16,   # the quantizer's staged copy:
-                                                               staged=cuda_mma.staged_layout(m, **tuned))   # one bulk
-                row["staged_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(        # copy a CTA (`STAGED_X`)
-                    staged.values, staged.global_scale, w, out, staged=True, **tuned) for w in w_t]) / len(w_t)
-                row["same_bits"]["staged"] = torch.equal(out, triton_gemm.linear(x, w_t[-1], path="mma")) \
-                    if not math.isnan(row["staged_kernel_ms"]) else None
-                row["staged_linear_ms"] = staged_x(lambda: tried_ms(   # as engines would run it with the switch
-                    lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t))
                 row["wgmma_tiled_kernel_ms"] = tried_ms(   # the warpgroup-MMA variant, tiles as the default's
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **(tuned | {"wgmma": True}))
                              for w in w_t]) / len(w_t)
-                for form, opts in (("cluster", dict(cluster=True)), ("global", dict(cluster=False)),   # the split-K
+                for form, opts in (("cluster", dict(cluster=True, push=False)), ("global", dict(cluster=False)),   # split-K
                                    ("push", dict(cluster=True, push=True, persist=False))):         # forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                         xq.values, xq.global_scale, w, out, **(tuned | opts)) for w in w_t]) / len(w_t)
@@ -458,25 +450,15 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
-def staged_x(fn):
-    """fn() with `cuda_mma.STAGED_X` on (the linear path quantizes into the staged layout; a graph captured
-    inside keeps it)."""
-    old, cuda_mma.STAGED_X = cuda_mma.STAGED_X, True
-    try:
-        return fn()
-    finally:
-        cuda_mma.STAGED_X = old
-
-
 def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | None]:
-    """Whether each launch form that claims the default's bits (one tile a CTA, split-K through clusters or
-    global planes, persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
+    """Whether each launch form that claims the default's bits (one tile a CTA, split-K pulled through clusters,
+    pushed or through global planes, persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
     form cannot run (a depth's shared memory)."""
     def run(**form) -> torch.Tensor:
         got = torch.empty_like(out)
         cuda_mma.launch(xq.values, xq.global_scale, w, got, **tuned, **form)
         return got.view(torch.int16)
-    want, forms = run(), {"one-tile": dict(persist=False), "cluster": dict(cluster=True), "global": dict(cluster=False),
+    want, forms = run(), {"one-tile": dict(persist=False), "cluster": dict(cluster=True, push=False), "global": dict(cluster=False),
                           "push": dict(cluster=True, push=True, persist=False),
                           "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True)}
     forms |= {f"persist s{st}": dict(persist=True, stages=st) for st in MMA_STAGES_SWEEP}
@@ -492,12 +474,12 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
 
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
-    one tile a CTA, the split-K pushed to its owners, the staged activations, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
+    one tile a CTA, the split-K pushed to its owners or pulled by them, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
     exact Triton GEMM by configuration."""
     forms = {"default": r.get("mma_tiled_tuned_kernel_ms", r["mma_tiled_kernel_ms"]), "wgmma": r["wgmma_tiled_kernel_ms"]}
     forms |= {"one-tile": r["one_tile_kernel_ms"]} if "one_tile_kernel_ms" in r else {}
     forms |= {"push": r["push_tiled_kernel_ms"]} if "push_tiled_kernel_ms" in r else {}
-    forms |= {"staged": r["staged_kernel_ms"]} if "staged_kernel_ms" in r else {}
+    forms |= {"pulled": r["cluster_tiled_kernel_ms"]} if "cluster_tiled_kernel_ms" in r else {}
     forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
     forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
     forms |= {f"persist {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
@@ -540,7 +522,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for r in by("linear"):
         if "mma_kernel_ms" in r:
             print(f"  mma  {r['shape']:13s} M={r['m']:2d}: wgmma variant alone {r['wgmma_tiled_kernel_ms'] * 1e3:.1f} us, "
-                  f"split-K through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, pushed to their owners "
+                  f"split-K pulled through clusters {r['cluster_tiled_kernel_ms'] * 1e3:.1f} us, pushed to their owners "
                   f"{r['push_tiled_kernel_ms'] * 1e3:.1f} us, through global planes "
                   f"{r['global_tiled_kernel_ms'] * 1e3:.1f} us vs the default "
                   f"{r.get('mma_tiled_tuned_kernel_ms', r['mma_tiled_kernel_ms']) * 1e3:.1f} (tiled weights, same tiles)"
@@ -551,9 +533,6 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
-                  + (f", staged activations: linear {r['staged_linear_ms'] * 1e3:.1f} us "
-                     f"({r['cublas_ms'] / r['staged_linear_ms']:.2f}x cuBLAS), kernel {r['staged_kernel_ms'] * 1e3:.1f} us"
-                     if "staged_linear_ms" in r else "")
                   + _swept(r, "mma_rw_ms", "by warps per CTA")
                   + _swept(r, "mma_stages_cps_ms", "tiled by stages,cps")
                   + _swept(r, "mma_tiled_linear_stages_ms", "linear by stages")

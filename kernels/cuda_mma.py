@@ -100,10 +100,6 @@ WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 _SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("push", "cluster", "global"))
 CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
-# Dense decode launches read x as the quantizer's staged copy (`staged_layout`; the .cu file's STAGED_X): one bulk
-# copy a CTA instead of each thread's loads, permutes and stores (the staging was 21% of the M = 16 launch's
-# stall samples and 17% of its instructions, Nsight H100 sixteenth session). The same bits; not yet measured.
-STAGED_X = _env_choice("NVFP4_SAMPLER_STAGED_X", ("0", "1")) == "1"
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
@@ -184,7 +180,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                     for push in sorted({False, PUSH and cluster and not persist}):
                         for out_dtype, tiled in itertools.product((torch.bfloat16, torch.float16), (False, True)):
                             _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist,
-                                    PREFETCH and tiled, push, STAGED_X)
+                                    PREFETCH and tiled, push)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 for persist in sorted({False, PERSIST}):
                     _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
@@ -220,13 +216,6 @@ def throughput_options(m: int, n: int, k: int, *, warpgroup: bool = False,
         if ctas(rw, cps) >= THROUGHPUT_MIN_CTAS:
             break
     return dict(rw=rw, cps=cps) | ({"wgmma": True} if throughput_wgmma(rw, warpgroup) else {})
-
-
-def staged_layout(m: int, *, nt: int | None = None, wgmma: bool | None = None, **_options) -> tuple[int, bool]:
-    """(rows of a token tile, warpgroup MMAs) of `launch`'s dense launch for M tokens with these options (those
-    of `throughput_options`): the staged layout its x takes (`launch(staged=True)`,
-    `triton_quant.quantize_per_token_exact(staged=)`)."""
-    return 8 * tiles(m, nt=nt)[0], WGMMA if wgmma is None else wgmma
 
 
 def throughput_wgmma(rw: int, warpgroup: bool) -> bool:
@@ -388,29 +377,28 @@ def _wgmma_source(nt: int) -> str:
 
 def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
                    cluster: bool = False, persist: bool = False, prefetch: bool = False,
-                   push: bool = False, staged: bool = False) -> tuple[str, list[str]]:
+                   push: bool = False) -> tuple[str, list[str]]:
     """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
     check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
                f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}",
-               f"-DPREFETCH={int(prefetch)}", f"-DCLUSTER_PUSH={int(push)}", f"-DSTAGED_X={int(staged)}"]
+               f"-DPREFETCH={int(prefetch)}", f"-DCLUSTER_PUSH={int(push)}"]
     return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
             wgmma: bool = False, cluster: bool = False, persist: bool = False, prefetch: bool = False,
-            push: bool = False, staged: bool = False):
+            push: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
     wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters;
     persist: persistent CTAs (`PERSIST`); prefetch: L2 prefetch of the slices (`PREFETCH`, tiled only); push:
-    the cluster's split-K pushed to its owners (`CLUSTER_PUSH`, with cluster, one tile a CTA); staged: x is the
-    quantizer's staged copy (`STAGED_X`, dense)."""
+    the cluster's split-K pushed to its owners (`CLUSTER_PUSH`, with cluster, one tile a CTA)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch, push, staged)
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch, push)
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -435,6 +423,34 @@ def _smem_bytes(nt: int, cps: int, rw: int, stages: int, red_slots: int = 0) -> 
     persistent cluster form's: rw; the pushed form's landing space: ceil(rw / S) * S; the pulled one-tile
     form reuses the activations' space)."""
     return nt * 8 * cps * CHUNK * 2 + rw * stages * _SLOT_BYTES + red_slots * nt * 512
+
+
+def launch_form(cfg: dict, nt: int, rw: int, stages: int, persist: bool | None, push: bool | None, m: int,
+                grouped: bool) -> tuple[bool, bool, int]:
+    """(persist, push, dynamic shared memory bytes) of a launch of `config` cfg, these tiles and ring depth for
+    m tokens (grouped: a MoE launch). persist / push None: the defaults' speed choices (`persist_default`;
+    `PUSH` on dense launches), each dropped where its shared memory does not fit; the push applies to one
+    tile a CTA through a cluster with rw >= S > 1 only. Raises where the form asked for does not fit."""
+    cluster, slices, cps = cfg["CLUSTER"], cfg["S"], cfg["CPS"]
+
+    def smem(persist: bool, push: bool) -> int:
+        if persist:                                  # with the split-K partial sums' slots through a cluster
+            return _smem_bytes(nt, cps, rw, stages, rw if cluster else 0)
+        if push:                                     # with the landing space of the pushed partial sums
+            return _smem_bytes(nt, cps, rw, stages, -(-rw // slices) * slices)
+        # one tile a CTA: the pulled partial sums reuse the space, [rw][nt][4][32] fp32
+        return max(_smem_bytes(nt, cps, rw, stages), rw * nt * 512 if cluster else 0)
+
+    if persist is None:
+        persist = persist_default(m, grouped) and smem(True, False) <= _SMEM_LIMIT
+    pushable = cluster and not persist and rw >= slices > 1
+    push = pushable and (PUSH and not grouped and smem(False, True) <= _SMEM_LIMIT if push is None else push)
+    need = smem(persist, push)
+    if need > _SMEM_LIMIT:
+        raise ValueError(f"{need} B of shared memory for nt={nt}, cps={cps}, rw={rw}, stages={stages}"
+                         + (" (persistent: with the split-K partial sums' space)" if persist and cluster else "")
+                         + (" (with the pushed partial sums' landing space)" if push else ""))
+    return persist, push, need
 
 
 @functools.lru_cache(maxsize=None)
@@ -488,7 +504,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
            cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None,
-           prefetch: bool | None = None, push: bool | None = None, staged: bool = False) -> torch.Tensor:
+           prefetch: bool | None = None, push: bool | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
@@ -515,10 +531,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     push  the cluster's split-K partial sums pushed into their owner CTAs (where the launch splits K through
           a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K) on dense
           launches whose landing space fits
-    staged  x is the quantizer's staged copy for this launch (dense; `staged_layout(M, **options)`:
-          [ceil(M / T) * T, K], M = x_gs's length), copied into shared memory in one bulk copy a CTA (the same bits)
     """
-    m, k = (x_gs.shape[0] if staged else x.shape[0]), x.shape[1]
+    m, k = x.shape
     n = w.shape[-2]
     if x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,) or x_gs.dtype != torch.float32:
         raise ValueError(f"x must be contiguous fp16 [M, K] with fp32 x_gs [M]; got {x.dtype} {tuple(x.shape)}, "
@@ -549,15 +563,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         return out
     cfg = config(n, k, cps=cps, cluster=cluster)
     nt, rw = tiles(m if schedule is None else 8 * nt, rw=rw, nt=nt)
-    if staged and (schedule is not None or x.shape != (-(-m // (8 * nt)) * 8 * nt, k)):
-        raise ValueError(f"staged x is dense, [ceil(M / T) * T, K] for the launch's T = {8 * nt}: got "
-                         f"{tuple(x.shape)} for M={m}" + (" with a schedule" if schedule is not None else ""))
     wgmma = WGMMA if wgmma is None else wgmma
-    chosen, persist = persist is None, persist_default(m, schedule is not None) if persist is None else persist
     if wgmma and rw % 4:
         raise ValueError(f"the wgmma variant runs whole warpgroups: rw % 4 == 0, got rw={rw}")
-    if persist_ctas is not None and not persist:
-        raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
     tiled = w.layout == "mma_tiled"
     prefetch = PREFETCH and tiled if prefetch is None else prefetch
     if prefetch and not tiled:
@@ -567,23 +575,12 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
-    cluster, slices = cfg["CLUSTER"], cfg["S"]
-    smem = _smem_bytes(nt, cfg["CPS"], rw, stages, rw if persist and cluster else 0)
-    if persist and chosen and smem > _SMEM_LIMIT:   # the default's speed choice: where the persistent
-        persist, smem = False, _smem_bytes(nt, cfg["CPS"], rw, stages)   # form does not fit, one tile a CTA
-    push_smem = _smem_bytes(nt, cfg["CPS"], rw, stages, -(-rw // slices) * slices)   # with the landing space
-    if push is None:                                 # the default's speed choice: dense, where the space fits
-        push = PUSH and schedule is None and push_smem <= _SMEM_LIMIT
-    push = push and cluster and not persist and rw >= slices > 1
-    if push:
-        smem = push_smem
-    elif cluster and not persist:                    # the partial sums reuse the space: [rw][nt][4][32] fp32
-        smem = max(smem, rw * nt * 512)
-    if smem > _SMEM_LIMIT:
-        raise ValueError(f"{smem} B of shared memory for nt={nt}, cps={cfg['CPS']}, rw={rw}, stages={stages}"
-                         + (" (persistent: with the split-K partial sums' space)" if persist and cluster else ""))
+    persist, push, smem = launch_form(cfg, nt, rw, stages, persist, push, m, schedule is not None)
+    if persist_ctas is not None and not persist:
+        raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
+    cluster = cfg["CLUSTER"]
     partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push, staged)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]

@@ -582,14 +582,12 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     if path in ("mma", "bf16", "exact") and scaling != "per_token":
         raise ValueError(f"the {path} path implements per-token scaling only")
     if path in ("mma", "exact"):                       # exact FP16 rows, then the tensor-core kernel
-        tuned = {} if batch_invariant or path == "exact" else cuda_mma.throughput_options(
-            x2.shape[0], *w.shape, warpgroup=cuda_mma.has_wgmma(x.device), slices=cuda_mma.small_slices(x.device))
-        staged = path == "mma" and cuda_mma.STAGED_X                    # in the launch's shared-memory order
-        a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16,
-                                                  staged=cuda_mma.staged_layout(x2.shape[0], **tuned) if staged else None)
+        a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if path == "mma":
-            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, staged=staged, **tuned)
+            tuned = {} if batch_invariant else cuda_mma.throughput_options(
+                x2.shape[0], *w.shape, warpgroup=cuda_mma.has_wgmma(x.device), slices=cuda_mma.small_slices(x.device))
+            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
         else:
             small = x2.shape[0] <= cuda_mma.MMA_MAX_M and w.shape[-1] % 128 == 0    # decode sizes: codes decoded
             launch_exact(a, w, out, bias=bias, config=exact_small_config(x2.shape[0], *w.shape) if small else None)

@@ -184,31 +184,13 @@ def swiglu(gate, up):
 
 
 @triton.jit
-def _staged_offsets(rows, cols, K, STAGED: tl.constexpr, T: tl.constexpr):
-    """Offsets (elements) of rows [R, 1, 1] x cols [1, NB, 16] in the staged layout of `cuda_mma`'s shared
-    memory (`quantize_per_token_exact`'s staged): tile-major blocks of T rows x 128 columns, chunk by chunk;
-    in a chunk, quarter tt = e // 32, word wd = (e // 8) % 4 and element q = 4 hh + j of its 8 land at
-    STAGED 1 (mma.sync): [wd][row][tt][2 (3 - j) + hh], 2 (wgmma): [wd][3 - j][row][tt][hh]."""
-    tile, m = rows // T, rows % T
-    i, e = cols // 128, cols % 128
-    tt, wd, j, hh = e // 32, (e // 8) % 4, e % 4, (e // 4) % 2
-    block = (tile * (K // 128) + i) * 4 + wd
-    if STAGED == 1:
-        return ((block * T + m) * 4 + tt) * 8 + 2 * (3 - j) + hh
-    return (((block * 4 + 3 - j) * T + m) * 4 + tt) * 2 + hh
-
-
-@triton.jit
-def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, M_OUT, K,
+def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
               ROWS: tl.constexpr, NB_PAD: tl.constexpr, AMAX_MODE: tl.constexpr, SWIZZLE: tl.constexpr,
               WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr, TE: tl.constexpr,
-              GATHER: tl.constexpr, SWIGLU: tl.constexpr, ACT_BF16: tl.constexpr, STAGED: tl.constexpr,
-              T: tl.constexpr):
+              GATHER: tl.constexpr, SWIGLU: tl.constexpr, ACT_BF16: tl.constexpr):
     """Quantize rows [tile*ROWS, tile*ROWS + ROWS) (whole rows in registers). GATHER: output row r
     reads input row index[r]. SWIGLU: an input row is [gate (K) | up (K)] and the row quantized is
-    silu(gate) * up in fp32, rounded to bf16 (ACT_BF16) or fp16, as `reference.moe` computes it.
-    STAGED (WRITE_DEQ): the values in `_staged_offsets`' layout, rows M..M_OUT - 1 (the last tile's
-    padding) written as zeros."""
+    silu(gate) * up in fp32, rounded to bf16 (ACT_BF16) or fp16, as `reference.moe` computes it."""
     rows = tile * ROWS + tl.arange(0, ROWS)                                  # [R]
     blocks = tl.arange(0, NB_PAD)                                            # [NB]
     cols = blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]      # [1, NB, 16]
@@ -245,12 +227,7 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
         sc_off = _scale_offsets(rows64[:, None], blocks[None, :], n_blocks, SWIZZLE)
         tl.store(scales_ptr + sc_off, scale, mask=rmask[:, None] & (blocks[None, :] < n_blocks))
     if WRITE_DEQ:
-        if STAGED:
-            dmask = (rows < M_OUT)[:, None, None] & (cols < K)
-            tl.store(deq_ptr + _staged_offsets(rows64[:, None, None], cols, K, STAGED, T),
-                     value.to(deq_ptr.dtype.element_ty), mask=dmask)
-        else:
-            tl.store(deq_ptr + rows64[:, None, None] * K + cols, value.to(deq_ptr.dtype.element_ty), mask=mask)
+        tl.store(deq_ptr + rows64[:, None, None] * K + cols, value.to(deq_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -259,8 +236,8 @@ def _act_quant_kernel(
     index_ptr,                             # int [M]: input row of each output row (GATHER)
     amax_ptr,                              # fp32 amax: [1] of the tensor (AMAX_MODE 1), [M] per row (2)
     codes_ptr, scales_ptr, gs_ptr,         # outputs: uint8 [M, K/2], e4m3 scales, fp32 S_dec [M] (or [1])
-    deq_ptr,                               # output bf16 / fp16 [M, K] exact e2m1*s (WRITE_DEQ; STAGED: [M_OUT, K])
-    M, M_OUT, K, n_tiles,
+    deq_ptr,                               # output bf16 / fp16 [M, K] exact e2m1*s (WRITE_DEQ)
+    M, K, n_tiles,
     ROWS: tl.constexpr, NB_PAD: tl.constexpr,
     AMAX_MODE: tl.constexpr,               # 0: max|x| per row, 1: given per tensor, 2: given per row
     SWIZZLE: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_DEQ: tl.constexpr,
@@ -268,18 +245,16 @@ def _act_quant_kernel(
     TE: tl.constexpr,                      # TransformerEngine's op order (module docstring)
     PDL: tl.constexpr,                     # let a dependent launch (cuda_mma) start now: it waits for our results
     GATHER: tl.constexpr, SWIGLU: tl.constexpr, ACT_BF16: tl.constexpr,    # `_act_tile`
-    STAGED: tl.constexpr, T: tl.constexpr,                                 # `_act_tile`
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if PERSIST_STAGES == 0:
         _act_tile(tl.program_id(0), x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr,
-                  M, M_OUT, K, ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16,
-                  STAGED, T)
+                  M, K, ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16)
     else:
         for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=PERSIST_STAGES):
-            _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, M_OUT, K,
-                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16, STAGED, T)
+            _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr, gs_ptr, deq_ptr, M, K,
+                      ROWS, NB_PAD, AMAX_MODE, SWIZZLE, WRITE_CODES, WRITE_DEQ, TE, GATHER, SWIGLU, ACT_BF16)
 
 
 @triton.jit
@@ -402,11 +377,10 @@ def _row_amax(amax: torch.Tensor | None, x: torch.Tensor, name: str = "amax") ->
 def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, codes: bool, deq: bool,
                 config: dict | None = None, per_row_amax: bool = False, op_order: str = "vllm",
                 deq_dtype: torch.dtype = torch.bfloat16, index: torch.Tensor | None = None,
-                swiglu: torch.dtype | None = None, staged: tuple[int, bool] | None = None):
+                swiglu: torch.dtype | None = None):
     """amax: None (max|x| per row), fp32 [1] for the tensor, or fp32 [M] per row (per_row_amax).
     index: int [R], quantize rows x2[index] (R rows out); swiglu: x2 rows are [gate | up] and the rows
-    quantized are silu(gate) * up rounded to this dtype (`_act_tile`); staged: (rows a tile, wgmma) of the
-    values' staged layout (`quantize_per_token_exact`)."""
+    quantized are silu(gate) * up rounded to this dtype (`_act_tile`)."""
     reference._check_op_order(op_order)
     cfg = config or ACT_CONFIG
     m = x2.shape[0] if index is None else index.numel()
@@ -421,19 +395,17 @@ def _act_launch(x2: torch.Tensor, *, amax: torch.Tensor | None, swizzle: bool, c
     else:
         scales = torch.empty((m, k // BLOCK), dtype=torch.float8_e4m3fn, device=dev) if codes else None
     gs = torch.empty((m if amax is None or per_row_amax else 1,), dtype=torch.float32, device=dev)
-    m_out = m if staged is None else -(-m // staged[0]) * staged[0]
-    out_deq = torch.empty((m_out, k), dtype=deq_dtype, device=dev) if deq else None
-    n_tiles = triton.cdiv(m_out, rows)
+    out_deq = torch.empty((m, k), dtype=deq_dtype, device=dev) if deq else None
+    n_tiles = triton.cdiv(m, rows)
     warps = max(cfg["num_warps"], nb_pad * BLOCK // 1024)                       # long rows: more warps
     if m <= DECODE_M:           # a few programs, latency-bound: <= 8 elements a thread (H200: K = 2048 3.2 -> 2.6 us)
         warps = max(warps, rows * nb_pad * BLOCK // 256)
     if m:
         _act_quant_kernel[(_grid(n_tiles, cfg["persist_stages"], dev),)](
-            x2, x2.stride(0), index, amax, out_codes, scales, gs, out_deq, m, m_out, k, n_tiles,
+            x2, x2.stride(0), index, amax, out_codes, scales, gs, out_deq, m, k, n_tiles,
             ROWS=rows, NB_PAD=nb_pad, AMAX_MODE=0 if amax is None else (2 if per_row_amax else 1), SWIZZLE=swizzle,
             WRITE_CODES=codes, WRITE_DEQ=deq, PERSIST_STAGES=cfg["persist_stages"], TE=op_order == "te",
             PDL=PDL, GATHER=index is not None, SWIGLU=swiglu is not None, ACT_BF16=swiglu == torch.bfloat16,
-            STAGED=0 if staged is None else 1 + staged[1], T=1 if staged is None else staged[0],
             num_warps=min(16, warps))
     return out_codes, scales, gs, out_deq
 
@@ -464,17 +436,13 @@ def quantize_per_token_swizzled(x: torch.Tensor) -> SwizzledNVFP4:
 
 def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = None, op_order: str = "vllm",
                              dtype: torch.dtype = torch.bfloat16, rows: torch.Tensor | None = None,
-                             swiglu: torch.dtype | None = None, staged: tuple[int, bool] | None = None) -> ExactRows:
+                             swiglu: torch.dtype | None = None) -> ExactRows:
     """Per-token quantization of x [M, K] written as exact values e2m1(q)*s in `dtype` (bf16 for the
     large-M cuBLAS path, fp16 for `cuda_mma`) plus S_dec [M]: a tensor-core GEMM over them computes
     the exact block products. amax, op_order: as in `quantize_per_token`.
     rows: int [R] on x's device: quantize x[rows] ([R, K] out) without writing the gathered copy.
     swiglu (bf16/fp16): x is [M, 2K] fp32 (gate | up) and the rows quantized are
-    (silu(gate) * up).to(swiglu), the MoE intermediate of `reference.moe` (amax not taken).
-    staged (dense, fp16): (T, wgmma) = `cuda_mma.staged_layout`: the values as `cuda_mma.launch(staged=True)`
-    copies them into its shared memory in one bulk copy: [ceil(M / T) * T, K] in tile-major blocks of T rows
-    x 128 columns, each 8 values permuted into the MMA's pair order (`_staged_offsets`), the padding rows zero;
-    S_dec stays [M]."""
+    (silu(gate) * up).to(swiglu), the MoE intermediate of `reference.moe` (amax not taken)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if x.dim() != 2:
@@ -485,14 +453,9 @@ def quantize_per_token_exact(x: torch.Tensor, *, amax: torch.Tensor | None = Non
                          f"{tuple(x.shape)}, swiglu={swiglu}, amax given: {amax is not None}")
     if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device):
         raise ValueError(f"rows must be int32/int64 [R] on {x.device}, got {rows.dtype} {tuple(rows.shape)}")
-    if staged is not None and (dtype != torch.float16 or rows is not None or swiglu is not None
-                               or x.shape[1] % 128 or staged[0] not in (8, 16, 32, 64)):
-        raise ValueError(f"staged rows are fp16 of dense rows (K % 128 == 0) in tiles of 8, 16, 32 or 64; got "
-                         f"{dtype}, K={x.shape[1]}, staged={staged}, gathered: {rows is not None}, swiglu: {swiglu}")
     x2 = _check_rows(x, "x")
     _, _, gs, deq = _act_launch(x2, amax=_row_amax(amax, x), swizzle=False, codes=False, deq=True,
-                                per_row_amax=True, op_order=op_order, deq_dtype=dtype, index=rows, swiglu=swiglu,
-                                staged=staged)
+                                per_row_amax=True, op_order=op_order, deq_dtype=dtype, index=rows, swiglu=swiglu)
     return ExactRows(deq, gs)
 
 

@@ -217,6 +217,30 @@ def test_persistent_ctas_by_default_on_dense_launches_from_persist_min_m_tokens(
     assert {cuda_mma.tiles(m)[0] for m in range(cuda_mma.PERSIST_MIN_M, 5000)} == {cuda_mma.tiles(cuda_mma.PERSIST_MIN_M)[0]}
 
 
+def test_launch_form_drops_a_default_that_does_not_fit_and_refuses_one_asked_for():
+    """`launch_form`: the defaults push the split-K of dense one-tile cluster launches (rw >= S > 1) and run
+    persistent CTAs from PERSIST_MIN_M tokens, each only where its shared memory fits (the H100 run of the
+    eighteenth session: rw 16, nt 8, 8 stages asked 278528 B with the landing space); a form asked for
+    explicitly that does not fit raises."""
+    form, limit = cuda_mma.launch_form, cuda_mma._SMEM_LIMIT
+    small, wide = dict(CLUSTER=True, S=2, CPS=8), dict(CLUSTER=True, S=4, CPS=4)
+    persist, push, smem = form(small, 2, 8, 3, None, None, 16, False)
+    assert (persist, push) == (False, cuda_mma.PUSH) and smem <= limit
+    assert form(small, 2, 8, 3, None, True, 16, False)[1]                     # asked for
+    assert not form(small, 2, 8, 3, None, None, 16, True)[1]                  # grouped: pulled
+    assert not form(dict(small, S=1), 2, 8, 3, None, True, 16, False)[1]      # nothing to push
+    assert not form(dict(small, CLUSTER=False), 2, 8, 3, None, True, 16, False)[1]
+    assert not form(dict(small, S=16), 2, 8, 3, None, True, 16, False)[1]     # rw < S: the owners pull
+    assert form(small, 4, 8, 3, None, None, 64, False)[:2] == (True, False)   # persistent: pulled
+    persist, push, smem = form(wide, 8, 16, 8, None, None, 1, False)          # the landing space would not fit
+    assert (persist, push) == (False, False) and smem <= limit
+    with pytest.raises(ValueError, match="landing space"):
+        form(wide, 8, 16, 8, None, True, 1, False)
+    assert form(dict(small, CPS=16), 4, 16, 4, None, None, 64, False) == (False, False, 204800)   # neither fits
+    with pytest.raises(ValueError, match="persistent"):
+        form(dict(small, CPS=16), 4, 16, 4, True, None, 64, False)
+
+
 def test_programmatic_launches_by_default_at_one_token_only():
     """NVFP4_SAMPLER_PDL "auto" (the default): the decode kernel is a programmatic dependent of the
     quantizer at PDL_MAX_M = 1 token (vLLM, H100: 1.04x the tokens/s at batch 1), an ordinary launch above
@@ -381,13 +405,14 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
 
 @pytest.mark.parametrize("var,attr,values", [("NVFP4_SAMPLER_MMA", "WGMMA", ("mma", "wgmma")),
                                              ("NVFP4_SAMPLER_SPLIT_K", "CLUSTER", ("global", "cluster")),
+                                             ("NVFP4_SAMPLER_SPLIT_K", "PUSH", ("cluster", "push")),
                                              ("NVFP4_SAMPLER_PERSIST", "PERSIST", ("0", "1")),
                                              ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1")),
                                              ("NVFP4_SAMPLER_PDL", "pdl_default(2)", ("0", "1"))])
 def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
     """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),
-    NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes or "cluster"), NVFP4_SAMPLER_PERSIST
-    persistent CTAs at every launch ("1"; "0" none, "auto" by size), NVFP4_SAMPLER_PREFETCH the L2
+    NVFP4_SAMPLER_SPLIT_K its split-K reduction ("global" planes, "cluster" pulled, "push" the default),
+    NVFP4_SAMPLER_PERSIST persistent CTAs at every launch ("1"; "0" none, "auto" by size), NVFP4_SAMPLER_PREFETCH the L2
     prefetch ("0" or "1") and NVFP4_SAMPLER_PDL the programmatic dependent launch ("1" every launch, "0"
     none, "auto" by size); anything else stops the import with the variable's name."""
     import os

@@ -134,31 +134,6 @@ def test_pushed_split_k_has_one_cluster_barrier_and_no_release_fence(nt, rw, out
     assert "MEMBAR.ALL.GPU" in pull and "MEMBAR.ALL.GPU" not in sass and "ERRBAR" not in sass
 
 
-@pytest.mark.parametrize("nt,rw,wgmma,persist", [(1, 4, False, False), (2, 8, False, False), (2, 8, True, False),
-                                                 (4, 16, True, False), (4, 16, True, True), (8, 8, True, True)])
-def test_staged_activations_are_one_bulk_copy(nt, rw, wgmma, persist):
-    """`STAGED_X`: the CTA's activations arrive by one cp.async.bulk (UBLKCP) counted on an mbarrier, with no
-    per-thread staging loads (LDG.E.128) or their permutes' stores; no spills, no fewer warps resident per SM by
-    registers than the loaded form (one tile a CTA: within 4 registers, 106 -> 83 at 16 warps; the persistent
-    16-warp form 85 -> 110, still one CTA an SM) and >= 12 warps per SM for the decode tiles."""
-    variant = dict(nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, wgmma=wgmma, cluster=True,
-                   persist=persist)
-    arch = "90a" if wgmma else "90"
-    loaded_log, loaded = _compile(arch, **variant)
-    log, sass = _compile(arch, **variant, staged=True)
-    info = _main_kernel_info(log)
-    assert "0 bytes spill stores, 0 bytes spill loads" in info, info
-    if persist:
-        assert _resident_warps(log, rw) >= _resident_warps(loaded_log, rw), info
-    else:
-        regs = [int(re.search(r"Used (\d+) registers", _main_kernel_info(x)).group(1)) for x in (loaded_log, log)]
-        assert regs[1] <= regs[0] + 4, regs
-    if not wgmma and (nt, rw) in cuda_mma.VARIANTS:
-        assert _resident_warps(log, rw) >= 12, info
-    assert sass.count("UBLKCP") == 1 and "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass
-    assert "LDG.E.128" in loaded and "LDG.E.128" not in sass
-
-
 @pytest.mark.parametrize("nt,rw", cuda_mma.VARIANTS)
 @pytest.mark.parametrize("cluster", [False, True])
 def test_persistent_form_compiles_without_spills_or_fewer_resident_warps(nt, rw, cluster):

@@ -78,9 +78,9 @@ def test_quantizers_issue_few_instructions_per_element(kind):
         k = 4096
         consts = dict(ROWS=triton_quant.ACT_CONFIG["elements"] // k, NB_PAD=k // 16, AMAX_MODE=0, SWIZZLE=False,
                       WRITE_CODES=kind == "codes", WRITE_DEQ=kind == "exact", PERSIST_STAGES=0, TE=False, PDL=True,
-                      GATHER=False, SWIGLU=False, ACT_BF16=False, STAGED=0, T=1)
+                      GATHER=False, SWIGLU=False, ACT_BF16=False)
         sig = {"x_ptr": "*bf16", "stride_xm": "i32", "index_ptr": "*i32", "amax_ptr": "*fp32", "codes_ptr": "*u8",
-               "scales_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "deq_ptr": "*fp16", "M": "i32", "M_OUT": "i32", "K": "i32",
+               "scales_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "deq_ptr": "*fp16", "M": "i32", "K": "i32",
                "n_tiles": "i32", **{k: "constexpr" for k in consts}}
         fn, divisible, elements = triton_quant._act_quant_kernel, ("x_ptr", "stride_xm", "codes_ptr", "scales_ptr",
                                                                     "gs_ptr", "deq_ptr", "K"), triton_quant.ACT_CONFIG["elements"]

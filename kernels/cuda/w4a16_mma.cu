@@ -20,11 +20,6 @@
 //             wave of CTAs): its activations are staged once, and each warp's ring streams the chunks of its
 //             next tile while the current one is reduced and stored, so the weight stream does not drain
 //             between tiles; 0: gridDim.x is the number of row tiles (one each). Same bits either way.
-//   STAGED_X  1 (dense): x is the quantizer's staged copy (`triton_quant.quantize_per_token_exact(staged=)`:
-//             [ceil(M / (NT * 8)) * NT * 8, K] fp16, tile-major blocks of NT * 8 rows x 128 columns in the
-//             order of `xs` below, the pairs permuted, the padding rows zero): a CTA's activations are one
-//             contiguous span, which thread 0 copies with one cp.async.bulk counted on an mbarrier, instead of
-//             every thread loading, permuting and storing them. The same bits
 //   PREFETCH  1 (TILED): each warp prefetches the rest of its slice into L2 when it starts (PERSIST: each next
 //             tile's slice when a tile starts), one bulk prefetch for the codes and one for the block scales,
 //             so the DRAM round trips of a slice's later chunks overlap its first ones' (no registers, no
@@ -88,9 +83,6 @@ typedef unsigned long long u64;
 #endif
 #ifndef CLUSTER_PUSH
 #define CLUSTER_PUSH 0
-#endif
-#ifndef STAGED_X
-#define STAGED_X 0
 #endif
 #if CLUSTER_PUSH && (!CLUSTER || PERSIST)
 #error "CLUSTER_PUSH is the one-tile form of CLUSTER"
@@ -176,6 +168,25 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 
+#if CLUSTER
+// Every thread of the cluster's CTAs arrives (release: its shared-memory stores before) and waits (acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Shared address `addr` of this CTA mapped to the cluster's CTA `rank`.
+__device__ __forceinline__ u32 map_cluster(u32 addr, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// Four fp32 into another CTA's shared memory (cluster addresses), counted on its mbarrier `bar` (complete_tx).
+__device__ __forceinline__ void st_async4(u32 addr, const float (&v)[4], u32 bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(bar) : "memory");
+}
+
 // Initialises this CTA's mbarrier `bar` for one arrival, fenced so that the cluster's async copies may count on it.
 __device__ __forceinline__ void mbar_init(u32 bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
@@ -197,25 +208,6 @@ __device__ __forceinline__ void mbar_wait0(u32 bar) {
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}"
                  : "=r"(done) : "r"(bar) : "memory");
   }
-}
-
-#if CLUSTER
-// Every thread of the cluster's CTAs arrives (release: its shared-memory stores before) and waits (acquire).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// Shared address `addr` of this CTA mapped to the cluster's CTA `rank`.
-__device__ __forceinline__ u32 map_cluster(u32 addr, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  return remote;
-}
-
-// Four fp32 into another CTA's shared memory (cluster addresses), counted on its mbarrier `bar` (complete_tx).
-__device__ __forceinline__ void st_async4(u32 addr, const float (&v)[4], u32 bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-               ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(bar) : "memory");
 }
 
 // The fp32 at shared address `addr` of the cluster's CTA `rank`.
@@ -460,22 +452,6 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // with global split-K 88 (2 CTAs an SM); RW = 16 106; 8 at NT = 4, RW = 8 spilled (ptxas held those
   // 256-thread CTAs to 80 registers), and so did 4 under PERSIST, whose issue side stays live here: it keeps
   // the compiler's form.
-#if STAGED_X
-  {
-    __shared__ __align__(8) u64 x_bar;
-    const u32 bar = smem_addr(&x_bar);
-    if (threadIdx.x == 0) mbar_init(bar);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const u32 bytes = nc * NT * 8 * 128 * 2;
-      const uint4* src = x + ((size_t)blockIdx.z * chunks + c0) * (NT * 8 * 16);
-      mbar_expect_tx(bar, bytes);
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_addr(xs)), "l"(src), "r"(bytes), "r"(bar) : "memory");
-    }
-    mbar_wait0(bar);
-  }
-#else
   constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 || NT == 2 ? 8 : 4;
   const int staged = NT * 8 * cps * 16;
   struct Vec { int wd, tt, m, i; };
@@ -511,7 +487,6 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the staged tiles, visible to the MMAs' reads
 #endif
   __syncthreads();
-#endif
 
 #if WGMMA
   const u32 xs_d = b_desc_lo(smem_addr(xs));
