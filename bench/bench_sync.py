@@ -32,6 +32,7 @@ bandwidth, and the conversion alone. Layers are the real 30B-A3B ones (hidden 20
 
     GPU:  python bench/bench_sync.py --layers 4 --out $OUT/bench_sync.json
           python bench/bench_sync.py --paths planned --layers 48 --out $OUT/bench_sync_planned.json
+          (an 80 GB GPU: --distinct-layers 12, the trainer's 48 layers aliasing 12 layers' BF16 storage)
     CPU:  python bench/bench_sync.py --quick           (1 layer, 8 experts: checks the script)
           python bench/bench_sync.py --quick --paths planned
 """
@@ -82,14 +83,22 @@ def layer_tensors(cfg: dict, layer: int, device: str, gen: torch.Generator) -> d
     return out
 
 
-def model_tensors(cfg: dict, device: str) -> dict[str, torch.Tensor]:
+def model_tensors(cfg: dict, device: str, distinct: int | None = None) -> dict[str, torch.Tensor]:
+    """The trainer's BF16 state dict. distinct: layers with storage of their own; layer i holds layer
+    i % distinct's tensors under its own names (the whole model's updates on a GPU that cannot hold its BF16
+    state beside the sampler's: each update still reads every layer's bytes from DRAM, `distinct` layers
+    being far larger than L2)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     out = {"model.embed_tokens.weight": (torch.randn(v, h, generator=gen, device=device) * 0.02).to(torch.bfloat16),
            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16, device=device),
            "lm_head.weight": (torch.randn(v, h, generator=gen, device=device) * 0.02).to(torch.bfloat16)}
-    for i in range(cfg["num_hidden_layers"]):
+    distinct = min(distinct or layers, layers)
+    for i in range(distinct):
         out |= layer_tensors(cfg, i, device, gen)
+    for i in range(distinct, layers):
+        src = f"model.layers.{i % distinct}."
+        out |= {f"model.layers.{i}.{n[len(src):]}": t for n, t in list(out.items()) if n.startswith(src)}
     return out
 
 
@@ -342,7 +351,7 @@ def run_planned(args, results: dict) -> None:
         srv = stack.enter_context(sidecar(folder, engine="embedded", env=env, log=Path(tmp) / "sidecar.log"))
         client = stack.enter_context(SamplerClient(srv.url, timeout=3600))
         (folder / "model.safetensors").unlink()             # the engine holds it now; free the disk
-        state = model_tensors(CFG, args.device)
+        state = model_tensors(CFG, args.device, args.distinct_layers)
         for size in sizes:
             held: dict = {}                                 # a new plan, sender and send buffers per size
             runs = []
@@ -391,6 +400,9 @@ def main() -> int:
     ap.add_argument("--bucket-mib", default="512", help="planned: plan bucket sizes in MiB, comma-separated")
     ap.add_argument("--buffers", type=int, default=2, help="planned: reused send buffers (2: double-buffered)")
     ap.add_argument("--profile", action="store_true", help="planned: count the trainer's CUDA kernel launches")
+    ap.add_argument("--distinct-layers", type=int, default=None,
+                    help="planned: trainer layers with storage of their own, the others alias them (default: all; "
+                         "12 fits the whole model's update on an 80 GB GPU)")
     ap.add_argument("--quick", action="store_true", help="CPU check: 1 layer, 8 experts, 1 repeat")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
@@ -402,8 +414,10 @@ def main() -> int:
     if "planned" in paths:                                   # before the other paths' state: the whole model fits
         dev = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else f"CPU x{os.cpu_count()}"
         print(f"device {dev}; torch {torch.__version__}; planned mode, {args.layers} layers x {args.experts} "
-              f"experts", flush=True)
-        results = {"device": dev, "layers": args.layers, "experts": args.experts}
+              f"experts" + (f", the trainer's BF16 in {args.distinct_layers} distinct layers" if args.distinct_layers
+                            else ""), flush=True)
+        results = {"device": dev, "layers": args.layers, "experts": args.experts,
+                   "distinct_layers": args.distinct_layers or args.layers}
         try:
             run_planned(args, results)
         except Exception as e:  # noqa: BLE001 - reported, the other paths still run

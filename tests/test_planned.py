@@ -33,6 +33,21 @@ def test_filled_buckets_equal_the_converter_packed(kw):
     _assert_fills_are_the_converters(sender, pp)
 
 
+def test_aliased_trainer_layers_fill_every_layer_of_the_plan():
+    """bench_sync's `--distinct-layers` (the whole model's update on an 80 GB GPU): layers past the distinct
+    ones hold those layers' storage under their own names, and the planned buckets of all layers are still the
+    converter's bytes."""
+    cfg = {**CFG, "num_hidden_layers": 3}
+    state, full = model_tensors(cfg, "cpu", distinct=1), model_tensors(cfg, "cpu")
+    assert state.keys() == full.keys()
+    for name, t in state.items():
+        if name.startswith("model.layers.2."):
+            twin = state[name.replace("layers.2.", "layers.0.", 1)]
+            assert t.data_ptr() == twin.data_ptr() and torch.equal(t, full[name.replace("layers.2.", "layers.0.", 1)])
+    sender = PlannedSender.of(state, config=cfg, bucket_bytes=40_000)
+    _assert_fills_are_the_converters(sender, push.plan(state, config=cfg))
+
+
 def _assert_fills_are_the_converters(sender: PlannedSender, pp: push.Plan) -> None:
     """Every bucket the sender fills equals, byte for byte, the converter's output packed by the plan."""
     plan, direct = sender.plan, {}
