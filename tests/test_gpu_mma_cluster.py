@@ -20,8 +20,8 @@ def test_cluster_split_k_gives_the_global_planes_bits(mods, m, n, k, cps, wgmma)
     """`launch(cluster=True)`: the S split-K CTAs of a tile add their partial sums through a thread-block
     cluster's shared memory, in the order the global FP32 planes are added: the same bits for the same
     slices (S = 2, 4, 6, 8; at K = 12288 the cluster's default slice is 12 chunks, S = 8), within the
-    reference's bound; pulled by the owners or pushed to them (`push`, one tile a CTA; rw < S pulls);
-    CUDA-graph replay too."""
+    reference's bound; pulled by the owners (`push=False`) or pushed to them (`push`, one tile a CTA; rw < S
+    pulls); CUDA-graph replay too."""
     cuda_mma, _, tq = mods
     x, w = _x(m, k, seed=m + k), _w(n, k, seed=n + 7, per_row=True)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -31,11 +31,12 @@ def test_cluster_split_k_gives_the_global_planes_bits(mods, m, n, k, cps, wgmma)
     assert cfg["CLUSTER"]
     cps = cfg["CPS"]
     outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(5)]
-    for out, opts in zip(outs[:3], (dict(cluster=False), dict(cluster=True), dict(cluster=True, push=True, persist=False))):
+    forms = (dict(cluster=False), dict(cluster=True, push=False), dict(cluster=True, push=True, persist=False))
+    for out, opts in zip(outs[:3], forms):
         cuda_mma.launch(a.values, a.global_scale, wk, out, bias=bias, cps=cps, wgmma=wgmma, **opts)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_mma.launch(a.values, a.global_scale, wk, outs[3], bias=bias, cps=cps, cluster=True, wgmma=wgmma)
+        cuda_mma.launch(a.values, a.global_scale, wk, outs[3], bias=bias, cps=cps, cluster=True, wgmma=wgmma, push=False)
         cuda_mma.launch(a.values, a.global_scale, wk, outs[4], bias=bias, cps=cps, cluster=True, wgmma=wgmma,
                         push=True, persist=False)
     graph.replay()
@@ -50,5 +51,5 @@ def test_cluster_split_k_grouped(mods):
     cuda_mma, _, tq = mods
     run = grouped_launch(cuda_mma, tq, 2048, seed=5)
     want = run(cluster=False)
-    assert cuda_mma.config(256, 2048)["S"] > 1 and torch.equal(run(cluster=True), want)
+    assert cuda_mma.config(256, 2048)["S"] > 1 and torch.equal(run(cluster=True, push=False), want)
     assert torch.equal(run(cluster=True, push=True, persist=False), want)
