@@ -106,7 +106,11 @@ CLUSTER_MAX_S = 8         # the portable cluster size
 # bits as one tile per CTA. The default for dense launches of PERSIST_MIN_M tokens or more: H100 (2026-12-05,
 # bench_decode_8b, kernel alone on tiled weights, us one tile / persistent at the default tiles) 8B qkv, o,
 # gate_up, down at M = 64: 29.1 / 25.1, 23.7 / 24.9, 79.3 / 57.0, 66.4 / 52.5 (summed 198.5 / 159.5); at
-# M = 1 and 16 no gain (summed 59.3 / 60.5, 79.7 / 81.5). NVFP4_SAMPLER_PERSIST: "auto" (that), "1" every
+# M = 1 and 16 no gain (summed 59.3 / 60.5, 79.7 / 81.5). Only where the one-tile launch is more than one wave
+# of resident CTAs: with less, each persistent CTA gets one tile and the one-tile form (with the pushed split-K)
+# was as fast or faster: H100 (2026-12-06, the same bench, us persistent / one tile pushed) M = 32 qkv 17.0 /
+# 15.2, o 15.6 / 14.3, down 22.4 / 19.7 (one wave each), gate_up 34.9 / 38.6 (more than one); M = 64 qkv 19.2 /
+# 18.9, o 16.5 / 15.1 (one wave), gate_up 48.1 / 60.0 (more). NVFP4_SAMPLER_PERSIST: "auto" (that), "1" every
 # launch (the MoE's grouped ones too), "0" none
 _PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("auto", "0", "1"))
 PERSIST = _PERSIST == "1"
@@ -135,10 +139,11 @@ def pdl_default(m: int, mode: str | None = None) -> bool:
     return mode == "1" or (mode == "auto" and m <= PDL_MAX_M)
 
 
-def persist_default(m: int | float, grouped: bool, mode: str = _PERSIST) -> bool:
+def persist_default(m: int | float, grouped: bool, mode: str = _PERSIST, waves: float = math.inf) -> bool:
     """Whether a launch of m tokens (grouped: a MoE launch over expert tiles) takes persistent CTAs when
-    `launch` is not told (mode: NVFP4_SAMPLER_PERSIST's value)."""
-    return mode == "1" or (mode == "auto" and not grouped and m >= PERSIST_MIN_M)
+    `launch` is not told (mode: NVFP4_SAMPLER_PERSIST's value; waves: its one-tile CTAs over those resident at
+    once, unknown: inf)."""
+    return mode == "1" or (mode == "auto" and not grouped and m >= PERSIST_MIN_M and waves > 1)
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -426,11 +431,13 @@ def _smem_bytes(nt: int, cps: int, rw: int, stages: int, red_slots: int = 0) -> 
 
 
 def launch_form(cfg: dict, nt: int, rw: int, stages: int, persist: bool | None, push: bool | None, m: int,
-                grouped: bool) -> tuple[bool, bool, int]:
+                grouped: bool, ctas: int, resident) -> tuple[bool, bool, int]:
     """(persist, push, dynamic shared memory bytes) of a launch of `config` cfg, these tiles and ring depth for
-    m tokens (grouped: a MoE launch). persist / push None: the defaults' speed choices (`persist_default`;
-    `PUSH` on dense launches), each dropped where its shared memory does not fit; the push applies to one
-    tile a CTA through a cluster with rw >= S > 1 only. Raises where the form asked for does not fit."""
+    m tokens (grouped: a MoE launch) over `ctas` one-tile CTAs (row tiles x S x token tiles). persist / push
+    None: the defaults' speed choices (`persist_default`, over resident(push, smem): the one-tile form's CTAs
+    resident at once, `_resident_ctas`; `PUSH` on dense launches), each dropped where its shared memory does not
+    fit; the push applies to one tile a CTA through a cluster with rw >= S > 1 only. Raises where the form
+    asked for does not fit."""
     cluster, slices, cps = cfg["CLUSTER"], cfg["S"], cfg["CPS"]
 
     def smem(persist: bool, push: bool) -> int:
@@ -441,10 +448,17 @@ def launch_form(cfg: dict, nt: int, rw: int, stages: int, persist: bool | None, 
         # one tile a CTA: the pulled partial sums reuse the space, [rw][nt][4][32] fp32
         return max(_smem_bytes(nt, cps, rw, stages), rw * nt * 512 if cluster else 0)
 
+    def pushed(persist: bool) -> bool:
+        if not (cluster and not persist and rw >= slices > 1):
+            return False
+        return PUSH and not grouped and smem(False, True) <= _SMEM_LIMIT if push is None else push
+
     if persist is None:
         persist = persist_default(m, grouped) and smem(True, False) <= _SMEM_LIMIT
-    pushable = cluster and not persist and rw >= slices > 1
-    push = pushable and (PUSH and not grouped and smem(False, True) <= _SMEM_LIMIT if push is None else push)
+        if persist:                                  # over more than a wave of the one-tile form only
+            one = pushed(False)
+            persist = persist_default(m, grouped, waves=ctas / resident(one, smem(False, one)))
+    push = pushed(persist)
     need = smem(persist, push)
     if need > _SMEM_LIMIT:
         raise ValueError(f"{need} B of shared memory for nt={nt}, cps={cps}, rw={rw}, stages={stages}"
@@ -523,8 +537,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           global memory (the same bits for the same slices; `config` lengthens the default slice where S
           would exceed CLUSTER_MAX_S); None: `CLUSTER` (NVFP4_SAMPLER_SPLIT_K)
     persist  about one wave of persistent CTAs, each over several row tiles (the same bits); None:
-          `persist_default` (NVFP4_SAMPLER_PERSIST), one tile a CTA where the persistent form's shared memory
-          does not fit;
+          `persist_default` (NVFP4_SAMPLER_PERSIST) where the one-tile form is more than a wave and the
+          persistent form's shared memory fits (`launch_form`);
           persist_ctas: override of their number per row position (`persistent_ctas`; tests, benchmarks)
     prefetch  each warp's slice prefetched into L2 as it starts (tiled weights only; the same bits); None:
           `PREFETCH` (NVFP4_SAMPLER_PREFETCH) for tiled weights
@@ -575,23 +589,29 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     tickets = _tickets(dev)
     if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
-    persist, push, smem = launch_form(cfg, nt, rw, stages, persist, push, m, schedule is not None)
+    cluster, slices = cfg["CLUSTER"], cfg["S"]
+
+    def one_tile_resident(push: bool, smem: int) -> int:
+        one = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, False, prefetch, push)["w4a16_mma"]
+        return _resident_ctas(one, 32 * rw, smem, dev, slices if cluster else 1)
+
+    persist, push, smem = launch_form(cfg, nt, rw, stages, persist, push, m, schedule is not None,
+                                      row_ctas * slices * m_tiles, one_tile_resident)
     if persist_ctas is not None and not persist:
         raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
-    cluster = cfg["CLUSTER"]
-    partials = torch.empty((cfg["S"], m, n), dtype=torch.float32, device=x.device) if cfg["S"] > 1 and not cluster else None
+    partials = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 and not cluster else None
     kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     ctas = row_ctas
     if persist:
-        resident = _resident_ctas(kernel, 32 * rw, smem, dev, cfg["S"] if cluster else 1)
-        ctas = persist_ctas or persistent_ctas(row_ctas, cfg["S"] * m_tiles, resident)
+        resident = _resident_ctas(kernel, 32 * rw, smem, dev, slices if cluster else 1)
+        ctas = persist_ctas or persistent_ctas(row_ctas, slices * m_tiles, resident)
         if not 1 <= ctas <= row_ctas:
             raise ValueError(f"persist_ctas must be in [1, {row_ctas}] (the row tiles), got {ctas}")
-    _launch(kernel, (ctas, cfg["S"], m_tiles), 32 * rw, smem, x.device, args, pdl=pdl_default(m),
-            cluster=cfg["S"] if cluster else 1)
+    _launch(kernel, (ctas, slices, m_tiles), 32 * rw, smem, x.device, args, pdl=pdl_default(m),
+            cluster=slices if cluster else 1)
     return out
 
 

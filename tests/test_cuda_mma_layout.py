@@ -208,11 +208,13 @@ def test_tiles_cover_every_m():
 
 def test_persistent_ctas_by_default_on_dense_launches_from_persist_min_m_tokens():
     """NVFP4_SAMPLER_PERSIST "auto" (the default): dense launches of PERSIST_MIN_M = 17 tokens or more take
-    persistent CTAs, smaller ones and the MoE's grouped launches one tile a CTA; "1" every launch, "0" none.
-    Every such size runs the token tiles that `prepare` compiles in the persistent form."""
+    persistent CTAs where their one-tile CTAs are more than a wave, smaller ones and the MoE's grouped launches
+    one tile a CTA; "1" every launch, "0" none. Every such size runs the token tiles that `prepare` compiles in
+    the persistent form."""
     pd = cuda_mma.persist_default
     assert [pd(m, False, "auto") for m in (1, 16, 17, 64, 4096)] == [False, False, True, True, True]
-    assert not pd(64, True, "auto")
+    assert not pd(64, True, "auto") and not pd(64, False, "auto", waves=1.0) and pd(64, False, "auto", waves=1.5)
+    assert pd(64, False, "1", waves=0.5)
     assert pd(1, False, "1") and pd(1, True, "1") and not pd(64, False, "0")
     assert {cuda_mma.tiles(m)[0] for m in range(cuda_mma.PERSIST_MIN_M, 5000)} == {cuda_mma.tiles(cuda_mma.PERSIST_MIN_M)[0]}
 
@@ -224,21 +226,39 @@ def test_launch_form_drops_a_default_that_does_not_fit_and_refuses_one_asked_for
     explicitly that does not fit raises."""
     form, limit = cuda_mma.launch_form, cuda_mma._SMEM_LIMIT
     small, wide = dict(CLUSTER=True, S=2, CPS=8), dict(CLUSTER=True, S=4, CPS=4)
-    persist, push, smem = form(small, 2, 8, 3, None, None, 16, False)
+    many = lambda push, smem: 1                                              # noqa: E731 - every launch > a wave
+    persist, push, smem = form(small, 2, 8, 3, None, None, 16, False, 400, many)
     assert (persist, push) == (False, cuda_mma.PUSH) and smem <= limit
-    assert form(small, 2, 8, 3, None, True, 16, False)[1]                     # asked for
-    assert not form(small, 2, 8, 3, None, None, 16, True)[1]                  # grouped: pulled
-    assert not form(dict(small, S=1), 2, 8, 3, None, True, 16, False)[1]      # nothing to push
-    assert not form(dict(small, CLUSTER=False), 2, 8, 3, None, True, 16, False)[1]
-    assert not form(dict(small, S=16), 2, 8, 3, None, True, 16, False)[1]     # rw < S: the owners pull
-    assert form(small, 4, 8, 3, None, None, 64, False)[:2] == (True, False)   # persistent: pulled
-    persist, push, smem = form(wide, 8, 16, 8, None, None, 1, False)          # the landing space would not fit
+    assert form(small, 2, 8, 3, None, True, 16, False, 400, many)[1]         # asked for
+    assert not form(small, 2, 8, 3, None, None, 16, True, 400, many)[1]      # grouped: pulled
+    assert not form(dict(small, S=1), 2, 8, 3, None, True, 16, False, 400, many)[1]   # nothing to push
+    assert not form(dict(small, CLUSTER=False), 2, 8, 3, None, True, 16, False, 400, many)[1]
+    assert not form(dict(small, S=16), 2, 8, 3, None, True, 16, False, 400, many)[1]  # rw < S: the owners pull
+    persist, push, smem = form(wide, 8, 16, 8, None, None, 1, False, 400, many)  # the landing space would not fit
     assert (persist, push) == (False, False) and smem <= limit
     with pytest.raises(ValueError, match="landing space"):
-        form(wide, 8, 16, 8, None, True, 1, False)
-    assert form(dict(small, CPS=16), 4, 16, 4, None, None, 64, False) == (False, False, 204800)   # neither fits
+        form(wide, 8, 16, 8, None, True, 1, False, 400, many)
+    assert form(dict(small, CPS=16), 4, 16, 4, None, None, 64, False, 400, many) == (False, False, 204800)
     with pytest.raises(ValueError, match="persistent"):
-        form(dict(small, CPS=16), 4, 16, 4, True, None, 64, False)
+        form(dict(small, CPS=16), 4, 16, 4, True, None, 64, False, 400, many)
+
+
+@pytest.mark.skipif(cuda_mma._PERSIST != "auto", reason="the wave rule is NVFP4_SAMPLER_PERSIST=auto's")
+def test_persistent_ctas_only_over_more_than_a_wave_of_one_tile_ctas():
+    """From PERSIST_MIN_M tokens the default runs persistent CTAs only where the one-tile launch has more CTAs
+    than fit the device at once (with less, each persistent CTA would get one tile; the pushed one-tile form
+    was as fast or faster: H100, eighteenth session, 8B qkv / o / down at M = 32); the count asked of
+    `resident` is the one-tile form's that would run (pushed where it fits)."""
+    cfg, asked = dict(CLUSTER=True, S=2, CPS=16), []
+
+    def resident(push, smem):
+        asked.append((push, smem))
+        return 132
+    assert cuda_mma.launch_form(cfg, 4, 16, 3, None, None, 64, False, 192, resident)[:2] == (True, False)
+    persist, push, smem = cuda_mma.launch_form(cfg, 4, 16, 3, None, None, 64, False, 96, resident)
+    assert not persist and push == cuda_mma.PUSH and asked == [(push, smem)] * 2
+    assert not cuda_mma.launch_form(cfg, 4, 16, 3, None, None, 16, False, 960, resident)[0]   # below PERSIST_MIN_M
+    assert cuda_mma.launch_form(cfg, 4, 16, 3, True, None, 64, False, 96, resident)[0]        # asked for
 
 
 def test_programmatic_launches_by_default_at_one_token_only():
