@@ -429,9 +429,10 @@ def bench_moe(log, quick: bool) -> None:
         if 16 <= t <= 1024:                       # the tensor-core kernel's warpgroup-MMA variant
             row["mma_wgmma_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", wgmma=True)
                                                              for tw, ti in routes]) / n_routes}
-            for form, cluster in (("cluster", True), ("global", False)):     # both split-K forms (same bits)
+            for form, opts in (("cluster", dict(cluster=True)), ("global", dict(cluster=False)),   # split-K forms
+                               ("push", dict(cluster=True, push=True))):                     # (same bits)
                 row[f"mma_{form}_ms"] = {"NT 1": tried_ms(lambda: [triton_moe._moe_tiled(
-                    x, w13, w2, tw, ti, "vllm", cluster=cluster) for tw, ti in routes]) / n_routes}
+                    x, w13, w2, tw, ti, "vllm", **opts) for tw, ti in routes]) / n_routes}
         if 16 <= t <= 256:                        # split-K slice: `config` gives w13 4 chunks (4 slices of ~18 KB
             row["mma_cps_ms"] = {                 # of weights per CTA at 16 tokens); fewer, longer slices
                 cps: tried_ms(lambda cps=cps: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", cps=cps)
@@ -580,6 +581,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
               f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
     for key, label in (("mma_wgmma_ms", "mma, warpgroup-MMA variant"), ("mma_cluster_ms", "mma, split-K through clusters"),
                        ("mma_global_ms", "mma, split-K through global planes"),
+                       ("mma_push_ms", "mma, split-K pushed to the owners"),
                        ("mma_cps_ms", "mma by split-K slice (chunks)"),
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile")):

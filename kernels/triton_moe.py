@@ -222,7 +222,7 @@ def mma_fits(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> bool:
 def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, op_order: str, *, gemm: str = "mma", nt: int | None = None,
                cps: int | None = None, wgmma: bool | None = None, cluster: bool | None = None,
-               config: dict | None = None) -> torch.Tensor:
+               push: bool | None = None, config: dict | None = None) -> torch.Tensor:
     """MoE over tiles of each expert's rows, exact products, in six launches: the (token, slot) pairs
     sorted by expert (`schedule_rows`), x's rows quantized in that order into exact values (a token's k
     rows alike), w13 into fp32 [P, 2I], SwiGLU in fp32 rounded to x's dtype and quantized per row in one
@@ -230,7 +230,8 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     (`combine`). gemm: "mma" (`cuda_mma` over tiles of 8 * nt rows, fp16 rows; nt: `cuda_mma.GROUPED_NT` if
     None, every nt gives the same bits; cps: a benchmark override of `cuda_mma.GROUPED_CPS`, the split-K
     slice, which changes the summation order; wgmma: of `cuda_mma.WGMMA`, the kernel's warpgroup-MMA variant; cluster: of
-    `cuda_mma.CLUSTER`, split-K through thread-block clusters, every bit the same) or "exact"
+    `cuda_mma.CLUSTER`, split-K through thread-block clusters, push: pushed to the owners (grouped launches pull
+    by default), every bit the same) or "exact"
     (`triton_gemm.launch_exact` over tiles of EXACT_GROUPED rows against the experts dequantized to exact
     FP16 for the call, SwiGLU in w13's epilogue (the same operations, no fp32 [P, 2I]): larger batches;
     config: a benchmark override of EXACT_GROUPED, e.g. W_CODES to decode the codes inside the GEMM).
@@ -251,7 +252,7 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
 
         def launch(a, w, out, schedule):
             cuda_mma.launch(a.values, a.global_scale, w, out, schedule=schedule, nt=nt, cps=cps, wgmma=wgmma,
-                            cluster=cluster)
+                            cluster=cluster, push=push)
     else:
         config = config or triton_gemm.EXACT_GROUPED
         tile_rows = config["BLOCK_M"]
