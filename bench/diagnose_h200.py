@@ -4,12 +4,14 @@ For random BF16 checkpoints of real shapes (`testing/checkpoints.py`: Qwen3-8B w
 Qwen3-30B-A3B with 2 layers; the tiny test tokenizer, whose ids fit both vocabularies), a sidecar over
 a vLLM child on the GPU (`nvfp4-sampler serve --engine vllm`, `--strict` for the strict runs, which sets
 VLLM_BATCH_INVARIANT=1 in the child) and the diagnose CLI against it: 8 prompts x 64 sampled tokens
-(temperature 1), the learner (transformers BF16 + per-token W4A4 of the same weights, on the same GPU:
-`--device cuda`; on the CPU the 8B shape's learner had not finished in ~8 minutes, H100 seventeenth
-session) teacher-forced on the same sequences, the operator layer (`--operators`), synthetic
-advantages. The vLLM child takes a fixed 1 GiB KV cache, so the learner has the rest of the GPU.
+(temperature 1, all 8 in flight at once: mixed decode batches), the sampler's own recomputation of them
+(/v1/logprobs: decode vs recompute, bitwise in strict mode), the learner (transformers BF16 + per-token
+W4A4 of the same weights, on the same GPU: `--device cuda`; on the CPU the 8B shape's learner had not
+finished in ~8 minutes, H100 seventeenth session) teacher-forced on the same sequences, the operator layer
+(`--operators`), synthetic advantages. The vLLM child takes a fixed 1 GiB KV cache, so the learner has the rest of the GPU.
 Writes each report under OUT/SHAPE-EXECUTION/ (report.json, operators.json, plots) and prints one row
-per run: the gap (mean, max, quantiles), kl / k3, and the operator layer's activation-code mismatch.
+per run: the gap (mean, max, quantiles), kl / k3, the operator layer's activation-code mismatch, and
+decode vs recompute.
 
     python3 bench/diagnose_h200.py --out DIR        (on the H200: `bash bench/h200.sh diagnose`)
 """
@@ -27,8 +29,11 @@ EXECUTIONS = ("default", "strict")
 
 def summary(out: Path) -> dict:
     """The numbers of one diagnose report folder this bench prints."""
-    m = json.loads((out / "report.json").read_text())["metrics"]
+    report = json.loads((out / "report.json").read_text())
+    m = report["metrics"]
     row = {k: m.get(k) for k in ("tokens", "mean_abs_gap", "max_abs_gap", "kl", "k3")}
+    again = report.get("sampler_recompute", {})
+    row |= {"recompute_max_abs": again.get("max_abs"), "recompute_equal_share": again.get("equal_share")}
     ops_file = out / "operators.json"
     if ops_file.exists():
         rows = [r for per_op in json.loads(ops_file.read_text()).values() for r in per_op]
@@ -78,16 +83,18 @@ def main() -> int:
                 failed |= "error" in rows[key]
                 (out_root / "diagnose_h200.json").write_text(json.dumps(rows, indent=1))
                 print(key, rows[key], flush=True)
-    print("\n| model (layers) | execution | tokens | mean abs gap | max abs gap | kl | k3 | act code mismatch |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model (layers) | execution | tokens | mean abs gap | max abs gap | kl | k3 | act code mismatch "
+          "| decode vs recompute: max abs | bitwise equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, r in rows.items():
         shape, execution = key.rsplit("-", 1)
         if "error" in r:
-            print(f"| {shape} | {execution} | failed: {r['error']} | | | | | |")
+            print(f"| {shape} | {execution} | failed: {r['error']} | | | | | | | |")
             continue
-        cm = r.get("act_code_mismatch_mean")
+        cm, rm, re = r.get("act_code_mismatch_mean"), r.get("recompute_max_abs"), r.get("recompute_equal_share")
         print(f"| {shape} | {execution} | {r['tokens']} | {r['mean_abs_gap']:.4f} | {r['max_abs_gap']:.4f} | "
-              f"{r['kl']:.2e} | {r['k3']:.2e} | {'-' if cm is None else f'{cm:.4f}'} |")
+              f"{r['kl']:.2e} | {r['k3']:.2e} | {'-' if cm is None else f'{cm:.4f}'} | "
+              f"{'-' if rm is None else f'{rm:.3g}'} | {'-' if re is None else f'{re:.3f}'} |")
     return 1 if failed else 0
 
 

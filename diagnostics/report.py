@@ -80,3 +80,16 @@ def mismatch_report(logp_sampler: Sequence[Sequence[float]], logp_learner: Seque
                              for k, v in w.items()}
     out["weights"] = {k: [v[i, :m].tolist() for i, m in enumerate(lengths)] for k, v in w.items()}
     return out
+
+
+def recompute_agreement(decode: Sequence[Sequence[float]], recompute: Sequence[Sequence[float]]) -> dict:
+    """How far a sampler's decode log-probs are from its own teacher-forced recomputation of the same
+    sequences (what strict mode makes bitwise equal): tokens, max and mean |difference|, share of tokens
+    bitwise equal. Both: per sequence, the log-prob of each response token (same lengths)."""
+    pairs = [(a, b) for row_a, row_b in zip(decode, recompute, strict=True) for a, b in zip(row_a, row_b, strict=True)]
+    if not pairs:
+        return {"tokens": 0, "max_abs": 0.0, "mean_abs": 0.0, "equal_share": 1.0}
+    diffs = [abs(a - b) for a, b in pairs]
+    return {"tokens": len(pairs), "max_abs": max(diffs), "mean_abs": sum(diffs) / len(diffs),
+            "equal_share": sum(a == b for a, b in pairs) / len(pairs)}
+

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nvfp4_sampler.diagnostics import gaps, weights
+from nvfp4_sampler.diagnostics.report import recompute_agreement
 
 
 def test_identical_log_probs_have_no_gap():
@@ -118,3 +119,15 @@ def test_weights_are_zero_outside_the_mask():
     for w in (weights.tis(mu, mu, mask), weights.icepop(mu, mu, mask), weights.opsm(mu, mu, [1.0], mask),
               weights.triage(mu, mu, [1.0], mask)):
         assert w.tolist() == [[1.0, 0.0, 1.0, 0.0]]
+
+
+def test_recompute_agreement_counts_bitwise_equal_tokens():
+    """A sampler's decode log-probs against its own recomputation: equal floats count as equal, any
+    difference (however small) does not; ragged rows must pair up."""
+    got = recompute_agreement([[-1.0, -2.0], [-0.5]], [[-1.0, -2.0 + 1e-12], [-0.25]])
+    assert got["tokens"] == 3 and got["equal_share"] == pytest.approx(1 / 3)
+    assert got["max_abs"] == pytest.approx(0.25) and got["mean_abs"] == pytest.approx((1e-12 + 0.25) / 3)
+    assert recompute_agreement([[-1.0]], [[-1.0]])["equal_share"] == 1.0
+    with pytest.raises(ValueError):
+        recompute_agreement([[-1.0, -2.0]], [[-1.0]])
+

@@ -70,22 +70,26 @@ def test_cli_live_against_the_sampler(srv, model_dir, tmp_path, request):
     assert m["tokens"] >= 2 and report["directions"]["tokens"] == m["tokens"]
     assert m["mean_abs_gap"] < GAP_BOUND[engine], m
     assert all((out / f).stat().st_size > 5000 for f in ("gap_hist.png", "tail_depth.png", "directions.png"))
+    again = report["sampler_recompute"]                  # both engines' sidecars serve /v1/logprobs
+    assert again["tokens"] == m["tokens"] and 0 <= again["equal_share"] <= 1 and again["max_abs"] >= 0
     ops = json.loads((out / "operators.json").read_text())
     first = ops["model.layers.0.self_attn.q_proj"]
     assert all(r["act_code_mismatch"] == 0 and r["input_rel_err"] == 0 for r in first)
 
 
 def test_vllm_decode_equals_its_own_teacher_forced_logprobs(srv, model_dir, request):
-    """The sampled tokens' log-probs (OpenAI completions, decode with the KV cache) equal the sidecar's
-    teacher-forced /v1/logprobs of the same sequences bitwise in the vLLM engine: its gap to the
-    learner is not decode vs prefill. (The embedded engine's /v1/logprobs pads a batch, measured
-    0.011 mean apart from its decode, which equals the learner.)"""
+    """The sampled tokens' log-probs (OpenAI completions, decode with the KV cache, one request at a time)
+    equal the sidecar's teacher-forced /v1/logprobs of the same sequences bitwise in the vLLM engine: its
+    gap to the learner is not decode vs prefill. (The embedded engine's /v1/logprobs pads a batch, measured
+    0.011 mean apart from its decode, which equals the learner. Mixed batches are strict mode's to make
+    equal.)"""
     if request.node.callspec.params["srv"] != "vllm":
         pytest.skip("vLLM engine property")
     from transformers import AutoTokenizer
 
     from nvfp4_sampler.diagnostics.cli import PROMPTS, sample
-    samples = sample(srv.url, AutoTokenizer.from_pretrained(model_dir), PROMPTS[:2], max_tokens=24, seed=0)
+    samples = sample(srv.url, AutoTokenizer.from_pretrained(model_dir), PROMPTS[:2], max_tokens=24, seed=0,
+                     concurrent=False)
     with SamplerClient(srv.url) as c:
         tf = c.logprobs([p + r for p, r, _ in samples], [len(p) for p, _, _ in samples]).results
     assert [lp for _, _, lp in samples] == [r.logprobs for r in tf]
