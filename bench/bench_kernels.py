@@ -272,6 +272,12 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                                    ("push", dict(cluster=True, push=True, persist=False))):         # forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                         xq.values, xq.global_scale, w, out, **(tuned | opts)) for w in w_t]) / len(w_t)
+                xc = triton_quant.quantize_per_token(x)   # the activation as codes + block scales (X_CODES)
+                row["codes_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
+                    xc.codes, xc.global_scale, w, out, x_scales=xc.block_scales, **tuned) for w in w_t]) / len(w_t)
+                row["codes_tiled_linear_ms"] = tried_ms(lambda: with_x_codes(
+                    lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t])) / len(w_t)
+                row["same_bits"]["codes"] = same_bits_codes(xc, xq, w_t[0], out, tuned)
                 row["one_tile_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(   # one tile a CTA (the default up to
                     xq.values, xq.global_scale, w, out, persist=False, **tuned) for w in w_t]) / len(w_t)   # 16 tokens)
                 # persistent CTAs (same bits, same tiles) by ring depth: their rings stream across row tiles
@@ -473,6 +479,27 @@ def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | N
     return same
 
 
+def with_x_codes(fn):
+    """fn() with the dense linears on the activation's codes (`cuda_mma.X_CODES`), the switch restored after."""
+    was, cuda_mma.X_CODES = cuda_mma.X_CODES, True
+    try:
+        return fn()
+    finally:
+        cuda_mma.X_CODES = was
+
+
+def same_bits_codes(xc, xq, w, out: torch.Tensor, tuned: dict) -> bool | None:
+    """Whether the launch on the activation's codes (`x_scales`) gives the default launch's bits on rows xq."""
+    want, got = torch.empty_like(out), torch.empty_like(out)
+    cuda_mma.launch(xq.values, xq.global_scale, w, want, **tuned)
+    try:
+        cuda_mma.launch(xc.codes, xc.global_scale, w, got, x_scales=xc.block_scales, **tuned)
+    except Exception as err:  # noqa: BLE001 - a form that cannot run is a result
+        print(f"form codes failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
+        return None
+    return torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def _decode_forms(r: dict) -> dict[str, float]:
     """A linear row's decode-size kernels alone on the engines' tiled weights, ms by form: the default tiles,
     one tile a CTA, the split-K pushed to its owners or pulled by them, the wgmma variant, persistent CTAs by ring depth, the L2 prefetch, persistent by MMA x NT x RW x CPS, the
@@ -481,6 +508,7 @@ def _decode_forms(r: dict) -> dict[str, float]:
     forms |= {"one-tile": r["one_tile_kernel_ms"]} if "one_tile_kernel_ms" in r else {}
     forms |= {"push": r["push_tiled_kernel_ms"]} if "push_tiled_kernel_ms" in r else {}
     forms |= {"pulled": r["cluster_tiled_kernel_ms"]} if "cluster_tiled_kernel_ms" in r else {}
+    forms |= {"codes": r["codes_tiled_kernel_ms"]} if "codes_tiled_kernel_ms" in r else {}
     forms |= {f"persist s{st}": ms for st, ms in r.get("persist_stages_ms", {}).items()}
     forms |= {"prefetch" if f == "one-tile" else "persist+prefetch": ms for f, ms in r.get("prefetch_ms", {}).items()}
     forms |= {f"persist {c}": ms for c, ms in r.get("persist_nt_rw_ms", {}).items()}
@@ -534,6 +562,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                   f"({r['cublas_ms'] / r['mma_tiled_linear_ms']:.2f}x cuBLAS), kernel alone {r['mma_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_kernel_ms']:.2f}x cuBLAS), tiled weights {r['mma_tiled_kernel_ms'] * 1e3:.1f} us "
                   f"({r['cublas_ms'] / r['mma_tiled_kernel_ms']:.2f}x), activation quantization {r['act_quant_ms'] * 1e3:.1f} us"
+                  + (f", activation codes: linear {r['codes_tiled_linear_ms'] * 1e3:.1f} us "
+                     f"({r['cublas_ms'] / r['codes_tiled_linear_ms']:.2f}x cuBLAS), kernel "
+                     f"{r['codes_tiled_kernel_ms'] * 1e3:.1f} us" if "codes_tiled_linear_ms" in r else "")
                   + _swept(r, "mma_rw_ms", "by warps per CTA")
                   + _swept(r, "mma_stages_cps_ms", "tiled by stages,cps")
                   + _swept(r, "mma_tiled_linear_stages_ms", "linear by stages")

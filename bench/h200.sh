@@ -43,6 +43,9 @@ step() {   # step NAME: its timeout (s) and command
     # every launch with the split-K pulled by its owners (the default pushes where it fits), beside the others
     mma_pulled) limit=300; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_cluster.py tests/test_gpu_mma.py" ;;
+    # the activation's codes and block scales on every dense launch and the linear path (X_CODES)
+    mma_codes) limit=420; cmd="env NVFP4_SAMPLER_X_CODES=1 python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py
+                              tests/test_gpu_kernels.py" ;;
     mma_persist) limit=420; cmd="env NVFP4_SAMPLER_PERSIST=1 NVFP4_SAMPLER_PREFETCH=1 python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_persist.py tests/test_gpu_mma.py" ;;
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;

@@ -100,6 +100,12 @@ WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 _SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("push", "cluster", "global"))
 CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
+# Dense linears hand the kernel the activation's 4-bit codes and block scales (`triton_quant.quantize_per_token`)
+# instead of its exact FP16 rows (the .cu file's X_CODES): each CTA stages 3.5x fewer bytes from L2 (at M = 16
+# the 8B gate_up launch's CTAs read 12.7 MB of activations against 56.6 MB of weights, and the staging was 21% of
+# the launch's stall samples, Nsight H100 sixteenth session) and decodes them as it stages. The same bits; not
+# yet measured (NVFP4_SAMPLER_X_CODES=1).
+X_CODES = _env_choice("NVFP4_SAMPLER_X_CODES", ("0", "1")) == "1"
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
@@ -185,7 +191,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                     for push in sorted({False, PUSH and cluster and not persist}):
                         for out_dtype, tiled in itertools.product((torch.bfloat16, torch.float16), (False, True)):
                             _kernel(nt, rw, out_dtype, tiled, STAGES, index, wgmma, cluster, persist,
-                                    PREFETCH and tiled, push)
+                                    PREFETCH and tiled, push, X_CODES)
             for nt in (GROUPED_NT, GROUPED_NT_WIDE):
                 for persist in sorted({False, PERSIST}):
                     _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
@@ -382,28 +388,30 @@ def _wgmma_source(nt: int) -> str:
 
 def compile_inputs(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, wgmma: bool = False,
                    cluster: bool = False, persist: bool = False, prefetch: bool = False,
-                   push: bool = False) -> tuple[str, list[str]]:
+                   push: bool = False, x_codes: bool = False) -> tuple[str, list[str]]:
     """(CUDA source, NVRTC options) of a kernel variant, as `_kernel` compiles it (and the CPU compile
     check, tests/test_cuda_mma_sm90.py); the architecture is the device's (sm_90a with wgmma)."""
     defines = [f"-DNT={nt}", f"-DRW={rw}", f"-DOUT_BF16={int(out_dtype == torch.bfloat16)}",
                f"-DOUT_F32={int(out_dtype == torch.float32)}", f"-DTILED={int(tiled)}", f"-DSTAGES={stages}",
                f"-DWGMMA={int(wgmma)}", f"-DCLUSTER={int(cluster)}", f"-DPERSIST={int(persist)}",
-               f"-DPREFETCH={int(prefetch)}", f"-DCLUSTER_PUSH={int(push)}"]
+               f"-DPREFETCH={int(prefetch)}", f"-DCLUSTER_PUSH={int(push)}", f"-DX_CODES={int(x_codes)}"]
     return (_wgmma_source(nt) if wgmma else "") + _SOURCE.read_text(), ["-std=c++17", *defines]
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, out_dtype: torch.dtype, tiled: bool, stages: int, device_index: int,
             wgmma: bool = False, cluster: bool = False, persist: bool = False, prefetch: bool = False,
-            push: bool = False):
+            push: bool = False, x_codes: bool = False):
     """The compiled kernel for these constants on this device (PTX cached on disk), allowed the
     dynamic shared memory of the largest slice (or the device's limit); out_dtype: bf16, fp16 or fp32;
     wgmma: the warpgroup-MMA variant (sm_90a, `_wgmma_source`); cluster: split-K through clusters;
     persist: persistent CTAs (`PERSIST`); prefetch: L2 prefetch of the slices (`PREFETCH`, tiled only); push:
-    the cluster's split-K pushed to its owners (`CLUSTER_PUSH`, with cluster, one tile a CTA)."""
+    the cluster's split-K pushed to its owners (`CLUSTER_PUSH`, with cluster, one tile a CTA); x_codes: the
+    activation as codes and block scales (`X_CODES`, dense)."""
     from torch.cuda import _utils
     cap = "".join(map(str, torch.cuda.get_device_capability(device_index))) + ("a" if wgmma else "")
-    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch, push)
+    source, options = compile_inputs(nt, rw, out_dtype, tiled, stages, wgmma, cluster, persist, prefetch, push,
+                                     x_codes)
     key = hashlib.sha256("\0".join([source, cap, torch.version.cuda or "", *options]).encode()).hexdigest()[:24]
     path = _cache_dir() / f"w4a16_mma-{key}.ptx"
     if path.exists():
@@ -518,10 +526,13 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
            bias: torch.Tensor | None = None, schedule: torch.Tensor | None = None, cps: int | None = None,
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
            cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None,
-           prefetch: bool | None = None, push: bool | None = None) -> torch.Tensor:
+           prefetch: bool | None = None, push: bool | None = None,
+           x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
-    x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation
+    x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation; or
+          (dense, with x_scales) its codes, uint8 [M, K/2] ModelOpt, and x_scales its e4m3 block scales
+          [M, K/16] (`triton_quant.quantize_per_token`; the same bits, 3.5x fewer bytes staged)
     x_gs  fp32 [M]: the activation's S_dec per token
     w     NVFP4 [N, K] (codes contiguous; global_scale [] or [N]; layout "modelopt" or "mma_tiled");
           N % 16 == 0, K % 128 == 0. Grouped: stacked experts [E, N, K] (global_scale [E] or [E, N])
@@ -546,11 +557,17 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K) on dense
           launches whose landing space fits
     """
-    m, k = x.shape
+    codes = x_scales is not None
+    m, k = x.shape[0], x.shape[1] * (2 if codes else 1)
     n = w.shape[-2]
-    if x.dtype != torch.float16 or not x.is_contiguous() or x_gs.shape != (m,) or x_gs.dtype != torch.float32:
-        raise ValueError(f"x must be contiguous fp16 [M, K] with fp32 x_gs [M]; got {x.dtype} {tuple(x.shape)}, "
-                         f"x_gs {x_gs.dtype} {tuple(x_gs.shape)}")
+    if x.dtype != (torch.uint8 if codes else torch.float16) or not x.is_contiguous() or x_gs.shape != (m,) \
+            or x_gs.dtype != torch.float32:
+        raise ValueError(f"x must be contiguous {'uint8 codes [M, K/2]' if codes else 'fp16 [M, K]'} with fp32 x_gs "
+                         f"[M]; got {x.dtype} {tuple(x.shape)}, x_gs {x_gs.dtype} {tuple(x_gs.shape)}")
+    if codes and (x_scales.shape != (m, k // 16) or x_scales.dtype != torch.float8_e4m3fn
+                  or not x_scales.is_contiguous() or schedule is not None):
+        raise ValueError(f"x_scales must be contiguous float8_e4m3fn [{m}, {k // 16}] of a dense launch, got "
+                         f"{x_scales.dtype} {tuple(x_scales.shape)}" + (" with a schedule" if schedule is not None else ""))
     dims = 2 if schedule is None else 3
     if w.codes.dim() != dims or w.shape[-1] != k or not shape_ok(n, k) or not w.codes.is_contiguous():
         raise ValueError(f"w must be contiguous {'[N, K]' if schedule is None else '[E, N, K]'} with N % 16 == 0 and "
@@ -592,7 +609,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     cluster, slices = cfg["CLUSTER"], cfg["S"]
 
     def one_tile_resident(push: bool, smem: int) -> int:
-        one = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, False, prefetch, push)["w4a16_mma"]
+        one = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, False, prefetch, push, codes)["w4a16_mma"]
         return _resident_ctas(one, 32 * rw, smem, dev, slices if cluster else 1)
 
     persist, push, smem = launch_form(cfg, nt, rw, stages, persist, push, m, schedule is not None,
@@ -600,9 +617,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if persist_ctas is not None and not persist:
         raise ValueError("persist_ctas sets a persistent launch's CTAs: it needs persist")
     partials = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 and not cluster else None
-    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push)["w4a16_mma"]
+    kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push, codes)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
-            _ptr(x), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
+            _ptr(x), _ptr(x_scales), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     ctas = row_ctas
     if persist:

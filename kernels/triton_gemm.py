@@ -553,6 +553,14 @@ def linear_path(m: int, scaling: str, w: NVFP4Tensor | None = None, dtype: torch
     return "packed" if m <= PACKED_MAX_M or scaling == "per_tensor" else "bf16"
 
 
+def _mma_options(m: int, w: NVFP4Tensor, batch_invariant: bool) -> dict:
+    """`cuda_mma.launch` overrides of the mma path: none where batch invariance is asked for, else
+    `cuda_mma.throughput_options` for this device."""
+    dev = w.codes.device
+    return {} if batch_invariant else cuda_mma.throughput_options(
+        m, *w.shape, warpgroup=cuda_mma.has_wgmma(dev), slices=cuda_mma.small_slices(dev))
+
+
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None, scaling: str = "per_token",
            amax: torch.Tensor | None = None, op_order: str = "vllm", path: str | None = None,
            batch_invariant: bool = False) -> torch.Tensor:
@@ -581,13 +589,16 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
                          f"{scaling!r}")
     if path in ("mma", "bf16", "exact") and scaling != "per_token":
         raise ValueError(f"the {path} path implements per-token scaling only")
-    if path in ("mma", "exact"):                       # exact FP16 rows, then the tensor-core kernel
+    if path == "mma" and cuda_mma.X_CODES:             # the activation's codes and scales, then the kernel
+        q = triton_quant.quantize_per_token(x2, amax=amax, op_order=op_order)
+        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        cuda_mma.launch(q.codes, q.global_scale, w, out, bias=bias, x_scales=q.block_scales,
+                        **_mma_options(x2.shape[0], w, batch_invariant))
+    elif path in ("mma", "exact"):                     # exact FP16 rows, then the tensor-core kernel
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if path == "mma":
-            tuned = {} if batch_invariant else cuda_mma.throughput_options(
-                x2.shape[0], *w.shape, warpgroup=cuda_mma.has_wgmma(x.device), slices=cuda_mma.small_slices(x.device))
-            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **tuned)
+            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **_mma_options(x2.shape[0], w, batch_invariant))
         else:
             small = x2.shape[0] <= cuda_mma.MMA_MAX_M and w.shape[-1] % 128 == 0    # decode sizes: codes decoded
             launch_exact(a, w, out, bias=bias, config=exact_small_config(x2.shape[0], *w.shape) if small else None)

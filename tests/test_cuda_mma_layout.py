@@ -428,6 +428,7 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
                                              ("NVFP4_SAMPLER_SPLIT_K", "PUSH", ("cluster", "push")),
                                              ("NVFP4_SAMPLER_PERSIST", "PERSIST", ("0", "1")),
                                              ("NVFP4_SAMPLER_PREFETCH", "PREFETCH", ("0", "1")),
+                                             ("NVFP4_SAMPLER_X_CODES", "X_CODES", ("0", "1")),
                                              ("NVFP4_SAMPLER_PDL", "pdl_default(2)", ("0", "1"))])
 def test_the_kernel_switches_are_read_once_and_checked(var, attr, values):
     """NVFP4_SAMPLER_MMA picks the default MMA of every launch at import ("mma" or "wgmma"),

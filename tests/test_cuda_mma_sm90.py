@@ -195,3 +195,20 @@ def test_wgmma_main_loop_steps_its_descriptors(nt, rw):
     uniform = sum(op.startswith("U") for op in ops)
     assert uniform <= 32, (uniform, len(ops))
     assert len(ops) <= 200, len(ops)
+
+
+@pytest.mark.parametrize("nt,rw,wgmma,persist", [(1, 4, False, False), (2, 8, False, False), (2, 8, True, False),
+                                                 (4, 8, False, True), (4, 16, True, True), (4, 16, True, False)])
+def test_activation_codes_form_compiles_without_spills(nt, rw, wgmma, persist):
+    """X_CODES (the activation's codes and block scales, decoded as the CTA stages them): no spills, at most 12
+    registers more than the exact-rows form of the same launch (measured: -28 to +9), and the epilogue's
+    power of two is 2^28 (0x4d800000) instead of 2^14 (0x46800000)."""
+    variant = dict(nt=nt, rw=rw, out_dtype=_BF16, tiled=True, stages=cuda_mma.STAGES, wgmma=wgmma, cluster=True,
+                   persist=persist, push=not persist)
+    arch = "90a" if wgmma else "90"
+    rows_log, rows = _compile(arch, **variant)
+    log, sass = _compile(arch, **variant, x_codes=True)
+    assert "0 bytes spill stores, 0 bytes spill loads" in _main_kernel_info(log), _main_kernel_info(log)
+    regs = [int(re.search(r"Used (\d+) registers", _main_kernel_info(x)).group(1)) for x in (rows_log, log)]
+    assert regs[1] <= regs[0] + 12, regs
+    assert "0x4d800000" in sass and "0x4d800000" not in rows and "0x46800000" in rows

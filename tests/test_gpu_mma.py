@@ -345,3 +345,40 @@ def test_moe_glue_kernels_match_their_torch_forms(mods, tokens, top_k, experts):
     act = (torch.nn.functional.silu(h[:, :768]) * h[:, 768:]).to(torch.bfloat16)
     ref = tq.quantize_per_token_exact(act, dtype=torch.float16)
     assert (got.values == ref.values).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("n,k", [(640, 2048), (4096, 4096), (2048, 12288)])
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_activation_codes_give_the_rows_bits(mods, monkeypatch, m, n, k, wgmma):
+    """`launch(codes, S_dec, w, out, x_scales=scales)` on the per-token quantizer's codes and block scales
+    (`quantize_per_token`; X_CODES: decoded as the CTA stages them): the bits of the same launch on the exact
+    FP16 rows, with the default tiles and `throughput_options`' (persistent, 16 warps), split-K pulled, pushed
+    and through global planes, in a CUDA graph too; and the linear path with the switch on."""
+    cuda_mma, triton_gemm, tq = mods
+    x, w = _x(m, k, seed=m + 3 * k), cuda_mma.tile_weight(_w(n, k, seed=n + 1, per_row=False))
+    rows, codes = tq.quantize_per_token_exact(x, dtype=torch.float16), tq.quantize_per_token(x)
+    assert torch.equal(codes.global_scale, rows.global_scale)
+    options = cuda_mma.throughput_options(m, n, k, warpgroup=True) | {"wgmma": wgmma} if wgmma else {"wgmma": False}
+    if wgmma and options.get("rw", cuda_mma.tiles(m)[1]) % 4:
+        options["rw"] = 4 * -(-options.get("rw", cuda_mma.tiles(m)[1]) // 4)
+    run = lambda out, a, **kw: cuda_mma.launch(a.codes if a is codes else a.values, a.global_scale, w, out,  # noqa: E731
+                                               x_scales=a.block_scales if a is codes else None, **options, **kw)
+    for split in (dict(cluster=True, push=False), dict(cluster=True, push=True, persist=False), dict(cluster=False)):
+        want, got = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        run(want, rows, **split)
+        run(got, codes, **split)
+        assert torch.equal(got, want), split
+    want, out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    graph = torch.cuda.CUDAGraph()
+    run(want, rows)
+    with torch.cuda.graph(graph):
+        run(out, codes)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="x_scales"):
+        cuda_mma.launch(codes.codes, codes.global_scale, w, out, x_scales=codes.block_scales[:, :-1], **options)
+    want = triton_gemm.linear(x, w, path="mma")
+    monkeypatch.setattr(cuda_mma, "X_CODES", True)
+    assert torch.equal(triton_gemm.linear(x, w, path="mma"), want)

@@ -20,6 +20,12 @@
 //             wave of CTAs): its activations are staged once, and each warp's ring streams the chunks of its
 //             next tile while the current one is reduced and stored, so the weight stream does not drain
 //             between tiles; 0: gridDim.x is the number of row tiles (one each). Same bits either way.
+//   X_CODES   1 (dense): x is the activation's codes (uint8 [M, K/2], ModelOpt) and `x_scales` its e4m3 block
+//             scales [M, K/16] (`triton_quant.quantize_per_token`), 3.5x fewer bytes than its exact FP16 rows: each
+//             thread loads 16 code bytes and a scale pair of a row and decodes them as the weights' ModelOpt words
+//             (`dec`, times the block scale: the exact value * 2^-14) into the same staged layout; the epilogue
+//             multiplies acc by 2^28 instead of 2^14. The same bits (every value and partial sum scaled by a
+//             power of two, far from FP32's subnormals)
 //   PREFETCH  1 (TILED): each warp prefetches the rest of its slice into L2 when it starts (PERSIST: each next
 //             tile's slice when a tile starts), one bulk prefetch for the codes and one for the block scales,
 //             so the DRAM round trips of a slice's later chunks overlap its first ones' (no registers, no
@@ -90,6 +96,9 @@ typedef unsigned long long u64;
 #ifndef PREFETCH
 #define PREFETCH 0
 #endif
+#ifndef X_CODES
+#define X_CODES 0
+#endif
 #if PREFETCH && !TILED
 #error "PREFETCH reads the tiled layout's contiguous slices"
 #endif
@@ -97,6 +106,8 @@ typedef unsigned long long u64;
 // Split-K planes summed per unrolled step of the last CTA: 4 x NT x 4 loads in flight, halved at NT = 8
 // (whose 128 would take 174 registers).
 constexpr int kPlaneUnroll = NT > 4 ? 2 : 4;
+// The epilogue's power of two: the weights decode to value * 2^-14, and so do X_CODES' activations
+constexpr float kUnscale = X_CODES ? 268435456.f : 16384.f;
 
 __device__ __forceinline__ u32 dec(u32 w) { return (w & 0x80008000u) | ((w & 0x70007000u) >> 3); }
 
@@ -152,6 +163,12 @@ __device__ __forceinline__ void scaled_pairs(u32 w, u32 sc, u32 (&p)[4]) {
   pairs(w, p);
 #pragma unroll
   for (int i = 0; i < 4; ++i) p[i] = hmul2(p[i], sc);
+}
+
+// The same for a ModelOpt word whatever TILED says (the activation's codes, X_CODES).
+__device__ __forceinline__ void scaled_pairs_modelopt(u32 w, u32 sc, u32 (&p)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = hmul2(dec(w << (4 * i)), sc);
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -362,7 +379,8 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           const u16* __restrict__ w_scales,     // e4m3 [N, K/16] as byte pairs
           const float* __restrict__ w_gs,       // fp32 S_dec: [N] (stride 1) or [] (stride 0)
           int w_gs_stride,
-          const uint4* __restrict__ x,          // fp16 [M, K] exact e2m1 * s values
+          const uint4* __restrict__ x,          // fp16 [M, K] exact e2m1 * s values (X_CODES: uint8 codes [M, K/2])
+          const u16* __restrict__ x_scales,     // X_CODES: e4m3 block scales [M, K/16] as byte pairs; else null
           const float* __restrict__ x_gs,       // fp32 S_dec per token [M]
           const u16* __restrict__ bias,         // [N] in the output dtype, or null (OUT_F32: null)
           void* __restrict__ out_,              // [M, N] bf16 / fp16 (OUT_F32: fp32)
@@ -452,6 +470,48 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   // with global split-K 88 (2 CTAs an SM); RW = 16 106; 8 at NT = 4, RW = 8 spilled (ptxas held those
   // 256-thread CTAs to 80 registers), and so did 4 under PERSIST, whose issue side stays live here: it keeps
   // the compiler's form.
+#if X_CODES
+  // Item e of the slice: quarter tt (32 values, blocks 2 tt and 2 tt + 1) of token m's chunk i: 16 code bytes
+  // and a scale pair, decoded into the four words (wd) of that quarter, stored as the loaded form stores them.
+  // XC items' loads in flight before the first decode.
+  constexpr int XC = 4;
+  const int items = NT * 8 * cps * 4;
+  for (int e0 = threadIdx.x; e0 < items; e0 += XC * RW * 32) {
+    uint4 qs[XC];
+    u16 ss[XC];
+#pragma unroll
+    for (int u = 0; u < XC; ++u) {
+      const int e = e0 + u * RW * 32, tt = e & 3, m = (e >> 2) % (NT * 8), i = (e >> 2) / (NT * 8);
+      qs[u] = make_uint4(0, 0, 0, 0);
+      ss[u] = 0;
+      if (e < items && m0 + m < m_end && i < nc) {
+        qs[u] = __ldg(x + (size_t)(m0 + m) * (K >> 5) + (c0 + i) * 4 + tt);
+        ss[u] = __ldg(x_scales + (size_t)(m0 + m) * (K >> 5) + (c0 + i) * 4 + tt);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < XC; ++u) {
+      const int e = e0 + u * RW * 32, tt = e & 3, m = (e >> 2) % (NT * 8), i = (e >> 2) / (NT * 8);
+      if (e < items) {
+        u32 sc[2];
+        block_scales(ss[u], sc);
+        const u32 words[4] = {qs[u].x, qs[u].y, qs[u].z, qs[u].w};
+#pragma unroll
+        for (int wd = 0; wd < 4; ++wd) {
+          u32 p[4];
+          scaled_pairs_modelopt(words[wd], sc[wd >> 1], p);
+#if WGMMA
+          u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;
+#pragma unroll
+          for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
+#else
+          xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
+#endif
+        }
+      }
+    }
+  }
+#else
   constexpr int XSTAGE = PERSIST ? 1 : RW >= 16 || NT == 2 ? 8 : 4;
   const int staged = NT * 8 * cps * 16;
   struct Vec { int wd, tt, m, i; };
@@ -483,6 +543,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       }
     }
   }
+#endif
 #if WGMMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the staged tiles, visible to the MMAs' reads
 #endif
@@ -681,7 +742,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
   }
 #endif
 
-  // 4. epilogue: ((acc * 2^14) * S_dec_a) * S_dec_w + bias, rounded once
+  // 4. epilogue: ((acc * 2^14) * S_dec_a) * S_dec_w + bias, rounded once (X_CODES: acc * 2^28, the same value)
 #if PERSIST
   if (rows_ok && store)
 #else
@@ -694,7 +755,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       const int m = m0 + j * 8 + 2 * t + (v & 1), n = n0 + g + 8 * (v >> 1);
       if (m < m_end) {
         // __fmul_rn / __fadd_rn: never contracted into an FMA (the reference rounds each step)
-        float r = __fmul_rn(__fmul_rn(__fmul_rn(acc[j][v], 16384.f), sa[j][v & 1]), sw[v >> 1]);
+        float r = __fmul_rn(__fmul_rn(__fmul_rn(acc[j][v], kUnscale), sa[j][v & 1]), sw[v >> 1]);
 #if OUT_F32
         reinterpret_cast<float*>(out_)[(size_t)m * N + n] = r;
 #else
