@@ -117,18 +117,18 @@ __device__ __forceinline__ u32 dec(u32 w) { return (w & 0x80008000u) | ((w & 0x7
 // already sits at the FP16 pair's bits (one AND), e2 three bits lower (a shift and an AND), e1 and e0 with
 // sign and magnitude apart by 5 and 7 bits, which one multiply by 2 + 64 (4 + 512) moves into place at
 // once; the copies it leaves elsewhere are masked (2.25 instructions a pair).
-__device__ __forceinline__ void pairs(u32 w, u32 (&p)[4]) {
-#if TILED
-  p[0] = w & 0x8E008E00u;
-  p[1] = (w << 3) & 0x8E008E00u;
-  p[2] = ((w & 0x40384038u) * 66u) & 0x8E008E00u;
-  p[3] = ((w & 0x20072007u) * 516u) & 0x8E008E00u;
-#else
-  p[0] = dec(w);
-  p[1] = dec(w << 4);
-  p[2] = dec(w << 8);
-  p[3] = dec(w << 12);
-#endif
+__device__ __forceinline__ void pairs(u32 w, u32 (&p)[4], bool tiled = TILED) {
+  if (tiled) {
+    p[0] = w & 0x8E008E00u;
+    p[1] = (w << 3) & 0x8E008E00u;
+    p[2] = ((w & 0x40384038u) * 66u) & 0x8E008E00u;
+    p[3] = ((w & 0x20072007u) * 516u) & 0x8E008E00u;
+  } else {
+    p[0] = dec(w);
+    p[1] = dec(w << 4);
+    p[2] = dec(w << 8);
+    p[3] = dec(w << 12);
+  }
 }
 
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
@@ -158,17 +158,11 @@ __device__ __forceinline__ void block_scales(u16 s, u32 (&sc)[2]) {
 }
 
 // A word of codes decoded (`pairs`) and multiplied by its block scale pair (exact in FP16), as the GEMM
-// and the dequantizer both use it.
-__device__ __forceinline__ void scaled_pairs(u32 w, u32 sc, u32 (&p)[4]) {
-  pairs(w, p);
+// and the dequantizer both use it (tiled false: a ModelOpt word whatever TILED says, the activation's codes).
+__device__ __forceinline__ void scaled_pairs(u32 w, u32 sc, u32 (&p)[4], bool tiled = TILED) {
+  pairs(w, p, tiled);
 #pragma unroll
   for (int i = 0; i < 4; ++i) p[i] = hmul2(p[i], sc);
-}
-
-// The same for a ModelOpt word whatever TILED says (the activation's codes, X_CODES).
-__device__ __forceinline__ void scaled_pairs_modelopt(u32 w, u32 sc, u32 (&p)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = hmul2(dec(w << (4 * i)), sc);
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -499,7 +493,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
 #pragma unroll
         for (int wd = 0; wd < 4; ++wd) {
           u32 p[4];
-          scaled_pairs_modelopt(words[wd], sc[wd >> 1], p);
+          scaled_pairs(words[wd], sc[wd >> 1], p, false);
 #if WGMMA
           u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;
 #pragma unroll
