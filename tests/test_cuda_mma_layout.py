@@ -136,9 +136,9 @@ def test_wgmma_staging_is_what_the_descriptors_read(nt):
     assert np.array_equal(total * 2.0 ** 14, x @ E2M1[codes])
 
 
-_PAIRS = re.search(r"#if TILED\n  p\[0\] = w & (0x\w+)u;\n  p\[1\] = \(w << (\d+)\) & (0x\w+)u;\n"
-                   r"  p\[2\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;\n"
-                   r"  p\[3\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;", SOURCE)
+_PAIRS = re.search(r"if \(tiled\) \{\n\s+p\[0\] = w & (0x\w+)u;\n\s+p\[1\] = \(w << (\d+)\) & (0x\w+)u;\n"
+                   r"\s+p\[2\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;\n"
+                   r"\s+p\[3\] = \(\(w & (0x\w+)u\) \* (\d+)u\) & (0x\w+)u;", SOURCE)
 
 
 def test_tiled_words_decode_to_the_same_pairs():
