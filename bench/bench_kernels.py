@@ -264,7 +264,8 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t]) / len(w_t)
                 tuned = cuda_mma.throughput_options(m, n, k, warpgroup=cuda_mma.has_wgmma(x.device),
                                                      slices=cuda_mma.small_slices(x.device))
-                row["same_bits"] = same_bits_forms(xq, w_t[0], out, tuned)
+                xc = triton_quant.quantize_per_token(x)   # the activation as codes + block scales (X_CODES)
+                row["same_bits"] = same_bits_forms(xq, xc, w_t[0], out, tuned)
                 row["wgmma_tiled_kernel_ms"] = tried_ms(   # the warpgroup-MMA variant, tiles as the default's
                     lambda: [cuda_mma.launch(xq.values, xq.global_scale, w, out, **(tuned | {"wgmma": True}))
                              for w in w_t]) / len(w_t)
@@ -272,12 +273,10 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                                    ("push", dict(cluster=True, push=True, persist=False))):         # forms (same bits)
                     row[f"{form}_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                         xq.values, xq.global_scale, w, out, **(tuned | opts)) for w in w_t]) / len(w_t)
-                xc = triton_quant.quantize_per_token(x)   # the activation as codes + block scales (X_CODES)
                 row["codes_tiled_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(
                     xc.codes, xc.global_scale, w, out, x_scales=xc.block_scales, **tuned) for w in w_t]) / len(w_t)
                 row["codes_tiled_linear_ms"] = tried_ms(lambda: with_x_codes(
                     lambda: [triton_gemm.linear(x, w, path="mma") for w in w_t])) / len(w_t)
-                row["same_bits"]["codes"] = same_bits_codes(xc, xq, w_t[0], out, tuned)
                 row["one_tile_kernel_ms"] = tried_ms(lambda: [cuda_mma.launch(   # one tile a CTA (the default up to
                     xq.values, xq.global_scale, w, out, persist=False, **tuned) for w in w_t]) / len(w_t)   # 16 tokens)
                 # persistent CTAs (same bits, same tiles) by ring depth: their rings stream across row tiles
@@ -457,17 +456,19 @@ def bench_moe(log, quick: bool) -> None:
         log("moe", row)
 
 
-def same_bits_forms(xq, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | None]:
-    """Whether each launch form that claims the default's bits (one tile a CTA, split-K pulled through clusters,
-    pushed or through global planes, persistent CTAs by ring depth, the L2 prefetch) gives them on weight w, out's shape; None where the
-    form cannot run (a depth's shared memory)."""
-    def run(**form) -> torch.Tensor:
+def same_bits_forms(xq, xc, w, out: torch.Tensor, tuned: dict) -> dict[str, bool | None]:
+    """Whether each launch form that claims the default's bits on the exact rows xq (one tile a CTA, split-K
+    pulled through clusters, pushed or through global planes, persistent CTAs by ring depth, the L2 prefetch, and
+    the launch on the same activation's codes xc) gives them on weight w, out's shape; None where the form cannot
+    run (a depth's shared memory)."""
+    def run(x=xq.values, x_gs=xq.global_scale, **form) -> torch.Tensor:
         got = torch.empty_like(out)
-        cuda_mma.launch(xq.values, xq.global_scale, w, got, **tuned, **form)
+        cuda_mma.launch(x, x_gs, w, got, **tuned, **form)
         return got.view(torch.int16)
     want, forms = run(), {"one-tile": dict(persist=False), "cluster": dict(cluster=True, push=False), "global": dict(cluster=False),
                           "push": dict(cluster=True, push=True, persist=False),
-                          "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True)}
+                          "prefetch": dict(prefetch=True), "persist+prefetch": dict(persist=True, prefetch=True),
+                          "codes": dict(x=xc.codes, x_gs=xc.global_scale, x_scales=xc.block_scales)}
     forms |= {f"persist s{st}": dict(persist=True, stages=st) for st in MMA_STAGES_SWEEP}
     same = {}
     for name, form in forms.items():
@@ -486,18 +487,6 @@ def with_x_codes(fn):
         return fn()
     finally:
         cuda_mma.X_CODES = was
-
-
-def same_bits_codes(xc, xq, w, out: torch.Tensor, tuned: dict) -> bool | None:
-    """Whether the launch on the activation's codes (`x_scales`) gives the default launch's bits on rows xq."""
-    want, got = torch.empty_like(out), torch.empty_like(out)
-    cuda_mma.launch(xq.values, xq.global_scale, w, want, **tuned)
-    try:
-        cuda_mma.launch(xc.codes, xc.global_scale, w, got, x_scales=xc.block_scales, **tuned)
-    except Exception as err:  # noqa: BLE001 - a form that cannot run is a result
-        print(f"form codes failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-        return None
-    return torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def _decode_forms(r: dict) -> dict[str, float]:

@@ -165,6 +165,19 @@ __device__ __forceinline__ void scaled_pairs(u32 w, u32 sc, u32 (&p)[4], bool ti
   for (int i = 0; i < 4; ++i) p[i] = hmul2(p[i], sc);
 }
 
+// The four permuted FP16 pairs p of word wd of quarter tt of token m's chunk i, into the CTA's staged
+// activations: [chunk][word][token][t] (mma.sync), or WGMMA's [chunk][word][mma half][k half][token][t] (pair h
+// of the step's k halves).
+__device__ __forceinline__ void stage_word(uint4* xs, int i, int wd, int m, int tt, const u32 (&p)[4]) {
+#if WGMMA
+  u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;
+#pragma unroll
+  for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
+#else
+  xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
+#endif
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
@@ -494,13 +507,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
         for (int wd = 0; wd < 4; ++wd) {
           u32 p[4];
           scaled_pairs(words[wd], sc[wd >> 1], p, false);
-#if WGMMA
-          u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;
-#pragma unroll
-          for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
-#else
-          xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
-#endif
+          stage_word(xs, i, wd, m, tt, p);
         }
       }
     }
@@ -527,13 +534,7 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
       if (e < staged) {
         const uint4 v = vs[u];
         const u32 p[4] = {prmt(v.y, v.w, 0x7632), prmt(v.y, v.w, 0x5410), prmt(v.x, v.z, 0x7632), prmt(v.x, v.z, 0x5410)};
-#if WGMMA
-        u32* rows = reinterpret_cast<u32*>(xs) + ((i * 4 + wd) * 4 * (NT * 8) + m) * 4 + tt;   // pair h of the
-#pragma unroll                                                                                 // step's k halves
-        for (int h = 0; h < 4; ++h) rows[h * (NT * 8) * 4] = p[h];
-#else
-        xs[((i * 4 + wd) * (NT * 8) + m) * 4 + tt] = make_uint4(p[0], p[1], p[2], p[3]);
-#endif
+        stage_word(xs, i, wd, m, tt, p);
       }
     }
   }
