@@ -102,10 +102,11 @@ CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
 # Dense linears hand the kernel the activation's 4-bit codes and block scales (`triton_quant.quantize_per_token`)
 # instead of its exact FP16 rows (the .cu file's X_CODES): each CTA stages 3.5x fewer bytes from L2 (at M = 16
-# the 8B gate_up launch's CTAs read 12.7 MB of activations against 56.6 MB of weights, and the staging was 21% of
-# the launch's stall samples, Nsight H100 sixteenth session) and decodes them as it stages. The same bits; not
-# yet measured (NVFP4_SAMPLER_X_CODES=1).
-X_CODES = _env_choice("NVFP4_SAMPLER_X_CODES", ("0", "1")) == "1"
+# the 8B gate_up launch's CTAs read 12.7 MB of activations against 56.6 MB of weights) and decodes them as it
+# stages. The same bits. The default ("0": the rows): H100 (2026-12-06, bench_decode_8b, linear = quantizer +
+# kernel, us rows / codes) 8B qkv, o, gate_up, down at M = 16: 13.2 / 12.2, 11.6 / 11.4, 32.1 / 30.3, 21.0 / 19.5;
+# faster or tied at all 16 points of M = 1, 16, 32, 64
+X_CODES = _env_choice("NVFP4_SAMPLER_X_CODES", ("1", "0")) == "1"
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same

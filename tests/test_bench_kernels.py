@@ -15,7 +15,7 @@ LINEAR_DECODE = dict(kind="linear", shape="8B gate_up", m=16, n=24576, k=4096, c
                      speedup_vs_cublas=1.58, weight_gbps=1800.0, weight_frac_copy=0.42, mma_kernel_ms=0.0303,
                      mma_tiled_kernel_ms=0.0301, mma_tiled_linear_ms=0.0322, wgmma_tiled_kernel_ms=0.0221,
                      cluster_tiled_kernel_ms=0.0262, push_tiled_kernel_ms=0.0251, global_tiled_kernel_ms=0.0301,
-                     codes_tiled_kernel_ms=0.0281, codes_tiled_linear_ms=0.0302,
+                     codes_tiled_kernel_ms=0.0281, rows_tiled_linear_ms=0.0302,
                      act_quant_ms=0.0023, mma_stages_cps_ms={"3,8": 0.0301},
                      small_rw_cps_ms={"mma 8,8": 0.0301, "wgmma 16,16": math.nan}, persist_stages_ms={2: 0.0290, 8: math.nan},
                      prefetch_ms={"one-tile": 0.0295, "persistent": 0.0280},
@@ -57,7 +57,7 @@ def test_tables_print_every_column_and_candidate():
     assert "64 tokens, mma by split-K slice (chunks): 4: 307.7, 8: 290.0, 16: nan us" in text
     assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
     forms = next(x for x in lines if x.strip().startswith("8B gate_up") and "M=16: default" in x)
-    assert "activation codes: linear 30.2 us (1.64x cuBLAS), kernel 28.1 us" in text
+    assert "on exact rows (X_CODES=0): linear 30.2 us (1.64x cuBLAS); activation codes: kernel 28.1 us" in text
     assert ("default 30.1, *wgmma 22.1, push 25.1, pulled 26.2, codes 28.1, persist s2 29.0, persist s8 nan, prefetch 29.5, persist+prefetch 28.0, "
             "persist mma 4,8,8 30.0, persist wgmma 8,16,8 nan  (2.24x cuBLAS, 1.36x the default)") in forms
     assert lines[lines.index(forms) + 1].strip() == "bits of the default: DIFFER in persist s2 (3 forms checked)"

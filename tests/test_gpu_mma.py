@@ -354,7 +354,7 @@ def test_activation_codes_give_the_rows_bits(mods, monkeypatch, m, n, k, wgmma):
     """`launch(codes, S_dec, w, out, x_scales=scales)` on the per-token quantizer's codes and block scales
     (`quantize_per_token`; X_CODES: decoded as the CTA stages them): the bits of the same launch on the exact
     FP16 rows, with the default tiles and `throughput_options`' (persistent, 16 warps), split-K pulled, pushed
-    and through global planes, in a CUDA graph too; and the linear path with the switch on."""
+    and through global planes, in a CUDA graph too; and the linear path with the switch off and on."""
     cuda_mma, triton_gemm, tq = mods
     x, w = _x(m, k, seed=m + 3 * k), cuda_mma.tile_weight(_w(n, k, seed=n + 1, per_row=False))
     rows, codes = tq.quantize_per_token_exact(x, dtype=torch.float16), tq.quantize_per_token(x)
@@ -379,6 +379,7 @@ def test_activation_codes_give_the_rows_bits(mods, monkeypatch, m, n, k, wgmma):
     assert torch.equal(out, want)
     with pytest.raises(ValueError, match="x_scales"):
         cuda_mma.launch(codes.codes, codes.global_scale, w, out, x_scales=codes.block_scales[:, :-1], **options)
+    monkeypatch.setattr(cuda_mma, "X_CODES", False)
     want = triton_gemm.linear(x, w, path="mma")
     monkeypatch.setattr(cuda_mma, "X_CODES", True)
     assert torch.equal(triton_gemm.linear(x, w, path="mma"), want)
