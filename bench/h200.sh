@@ -8,9 +8,11 @@
 # Benchmarks belong in a stream of their own with nothing beside it (ratios are side by side, but
 # a loaded GPU moves them). Every step logs to $OUT/STEP.log as it runs, has its own timeout and
 # appends "STEP rc=N" to $OUT/steps.txt, so a run cut short keeps what finished. Device: $OUT/device.txt.
+# The install takes ~10 s: a step's limit (at most 575 s) plus it stays under a device call's 600 s, so the
+# step's own timeout fires and writes its line before the call is cut.
 set -u
 : "${OUT:?set OUT to the results folder}"
-[ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 # vLLM from the harness. Its last step copies the top-level folders that an old pyproject listed; with
 # the nvfp4_sampler mapping it cannot, so it runs from a root holding only the harness and a stub
 # pyproject, and pip installs this checkout as the package it is (its entry points included).
@@ -43,14 +45,14 @@ step() {   # step NAME: its timeout (s) and command
     # every launch with the split-K pulled by its owners (the default pushes where it fits), beside the others
     mma_pulled) limit=300; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_cluster.py tests/test_gpu_mma.py" ;;
-    # the activation's codes and block scales on every dense launch and the linear path (X_CODES)
-    mma_codes) limit=420; cmd="env NVFP4_SAMPLER_X_CODES=1 python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py
+    # the dense linears on the activation's exact FP16 rows (the default stages its codes and block scales)
+    mma_rows) limit=420; cmd="env NVFP4_SAMPLER_X_CODES=0 python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py
                               tests/test_gpu_kernels.py" ;;
     mma_persist) limit=420; cmd="env NVFP4_SAMPLER_PERSIST=1 NVFP4_SAMPLER_PREFETCH=1 python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_persist.py tests/test_gpu_mma.py" ;;
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
-    bench_sync_vllm_24) limit=590; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
+    bench_sync_vllm_24) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
                               --out $OUT/bench_sync_vllm_24.json" ;;   # 30 GB checkpoint: 48 layers exceed the disk
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;
     # the learner on the CPU did not finish the default run in 300 s (H100 sixteenth) nor in ~500 s with half the
@@ -78,27 +80,27 @@ step() {   # step NAME: its timeout (s) and command
     bench_quant) limit=200; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only act,weight --json $OUT/bench_quant.json" ;;
     bench_moe) limit=420; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only moe --json $OUT/bench_moe.json" ;;
     bench_kernels) limit=250; cmd="python3 bench/bench_kernels.py --quick --no-sweep --json $OUT/bench_kernels.json" ;;
-    bench_e2e) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
+    bench_e2e) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4,qwen3-8b:12
                               --out $OUT/bench_vllm_e2e.json" ;;   # 330 s cut it inside the MoE shape (start-ups ~80 s)
     bench_e2e_moe) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4
                               --out $OUT/bench_vllm_e2e_moe.json" ;;
     bench_e2e_moe_16) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16
                               --out $OUT/bench_vllm_e2e_moe_16.json" ;;   # GPU-bound (4 layers are host-bound), 20 GB on disk
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
-    bench_e2e_wgmma) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
+    bench_e2e_wgmma) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
                               --out $OUT/bench_vllm_e2e_wgmma.json" ;;
-    bench_e2e_exact) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --exact
+    bench_e2e_exact) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --exact
                               --out $OUT/bench_vllm_e2e_exact.json" ;;   # full depth, three engines (~420 s)
-    bench_e2e_persist) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --one-tile
+    bench_e2e_persist) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --one-tile
                               --out $OUT/bench_vllm_e2e_persist.json" ;;   # full depth, three engines (~420 s)
     bench_graph_launch) limit=300; cmd="python3 bench/bench_graph_launch.py --json $OUT/bench_graph_launch.json" ;;
-    bench_e2e_pdl) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --pdl
+    bench_e2e_pdl) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --pdl
                               --out $OUT/bench_vllm_e2e_pdl.json" ;;   # full depth, three engines (~430 s)
     bench_e2e_dynamo) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --dynamo
                               --out $OUT/bench_vllm_e2e_dynamo.json" ;;
     bench_strict_moe) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4 --strict
                               --out $OUT/bench_vllm_e2e_strict_moe.json" ;;
-    bench_strict_full) limit=590; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --strict
+    bench_strict_full) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --strict
                               --out $OUT/bench_vllm_e2e_strict_full.json" ;;   # GPU-bound: strict's real cost
     bench_strict) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --strict
                               --out $OUT/bench_vllm_e2e_strict.json" ;;
@@ -118,10 +120,10 @@ step() {   # step NAME: its timeout (s) and command
                               --forms one-tile,persist,prefetch,persist+prefetch" ;;
     bench_sync_planned_12) limit=400; cmd="python3 bench/bench_sync.py --paths planned --layers 12 --profile
                               --bucket-mib 512,2048 --out $OUT/bench_sync_planned_12.json" ;;
-    bench_sync_planned_24) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile
+    bench_sync_planned_24) limit=575; cmd="python3 bench/bench_sync.py --paths planned --layers 24 --profile
                               --out $OUT/bench_sync_planned_24.json" ;;
     # the whole model; the trainer's 48 BF16 layers alias 12 layers' storage (~15 GB), so that it fits an H100 too
-    bench_sync_planned) limit=590; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
+    bench_sync_planned) limit=575; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
                               --distinct-layers 12 --bucket-mib 2048 --out $OUT/bench_sync_planned.json" ;;
     *) echo "unknown step $1" >> "$OUT/steps.txt"; return ;;
     esac
