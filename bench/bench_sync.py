@@ -346,12 +346,18 @@ def run_planned(args, results: dict) -> None:
     results["planned-counts"] = counts
     env = {"NVFP4_SAMPLER_DEVICE": args.device} if args.device.startswith("cuda") else {}
     rows = {}
+    t0 = time.perf_counter()
+    phase = lambda what: print(f"[{time.perf_counter() - t0:7.1f} s] {what}", flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="bench-sync-planned-") as tmp, contextlib.ExitStack() as stack:
         folder = write_nvfp4_folder(CFG, Path(tmp) / "model")
-        srv = stack.enter_context(sidecar(folder, engine="embedded", env=env, log=Path(tmp) / "sidecar.log"))
+        phase(f"pre-quantized folder written ({(folder / 'model.safetensors').stat().st_size / 1e9:.1f} GB)")
+        log = Path(args.out).with_suffix(".sidecar.log") if args.out else Path(tmp) / "sidecar.log"
+        srv = stack.enter_context(sidecar(folder, engine="embedded", env=env, log=log))
         client = stack.enter_context(SamplerClient(srv.url, timeout=3600))
+        phase(f"sidecar serving it (its log: {log})")
         (folder / "model.safetensors").unlink()             # the engine holds it now; free the disk
         state = model_tensors(CFG, args.device, args.distinct_layers)
+        phase("trainer state built")
         for size in sizes:
             held: dict = {}                                 # a new plan, sender and send buffers per size
             runs = []

@@ -29,11 +29,13 @@ class NVFP4Linear(nn.Module):
                                              k=weight.codes.shape[-1] * 2)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig) -> "NVFP4Linear":
-        """Quantize `linear` (checkpoint prefix `name`) with config.recipe.weight and config.recipe.op_order."""
+    def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig, weights: bool = True) -> "NVFP4Linear":
+        """Quantize `linear` (checkpoint prefix `name`) with config.recipe.weight and config.recipe.op_order;
+        weights=False: its storage only (`layers.create_weight`: NaN scales until a checkpoint is written)."""
         n, k = linear.weight.shape
         w = layers.create_weight(n, k, device=linear.weight.device, name=name)
-        layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)
+        if weights:
+            layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)
         return cls(w, linear.bias, config)
 
     def weight(self) -> NVFP4Tensor:
@@ -59,16 +61,17 @@ class NVFP4Experts(nn.Module):
                                              k=w13.codes.shape[-1] * 2)
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, name: str, config: SamplerConfig,
+    def from_experts(cls, experts: nn.Module, name: str, config: SamplerConfig, weights: bool = True,
                      proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> "NVFP4Experts":
-        """Quantize each expert's gate, up and down projection as its own checkpoint tensor."""
+        """Quantize each expert's gate, up and down projection as its own checkpoint tensor (weights=False:
+        the storage only, as `from_linear`)."""
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()   # [E, 2I, H], [E, H, I]
         e_count, two_i, hidden = gate_up.shape
         inter = two_i // 2
         w13 = layers.create_weight(two_i, hidden, experts=e_count, device=gate_up.device, name=name)
         w2 = layers.create_weight(hidden, inter, experts=e_count, global_per_row=False, device=down.device, name=name)
         gate, up, dn = proj_names
-        for e in range(e_count):
+        for e in range(e_count if weights else 0):
             layers.write(w13, layers.Shard(f"{name}.{e}.{gate}", (inter, hidden), slice(0, inter), e), "weight",
                          gate_up[e, :inter], config=config)
             layers.write(w13, layers.Shard(f"{name}.{e}.{up}", (inter, hidden), slice(inter, two_i), e), "weight",
@@ -94,9 +97,11 @@ def _is_stacked_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def quantize_model(model: nn.Module, config: SamplerConfig | None = None) -> dict[str, str]:
+def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, weights: bool = True) -> dict[str, str]:
     """Replace, in place, every nn.Linear and stacked-experts module that `policy.should_quantize`
-    selects by its NVFP4 counterpart (names are the checkpoint's module prefixes).
+    selects by its NVFP4 counterpart (names are the checkpoint's module prefixes). weights=False: the
+    NVFP4 storage only, for a checkpoint written next (the modules' BF16 values are not read: a model built
+    without initialization); `never_loaded` names what such a checkpoint left unwritten.
 
     Returns {module name: "linear" | "experts"} of the replaced modules.
     """
@@ -106,12 +111,20 @@ def quantize_model(model: nn.Module, config: SamplerConfig | None = None) -> dic
         if not name or not should_quantize(name, config):
             continue
         if isinstance(module, nn.Linear):
-            new, kind = NVFP4Linear.from_linear(module, name, config), "linear"
+            new, kind = NVFP4Linear.from_linear(module, name, config, weights), "linear"
         elif _is_stacked_experts(module):
-            new, kind = NVFP4Experts.from_experts(module, name, config), "experts"
+            new, kind = NVFP4Experts.from_experts(module, name, config, weights), "experts"
         else:
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced[name] = kind
     return replaced
+
+
+def never_loaded(model: nn.Module) -> list[str]:
+    """Names of the NVFP4 modules with a second-level scale still NaN (`layers.create_weight`'s mark: some
+    of their checkpoint tensors were never written)."""
+    return [name for name, m in model.named_modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))
+            and any(bool(p.isnan().any()) for p in ([m.global_scale] if isinstance(m, NVFP4Linear)
+                                                    else [m.w13[2], m.w2[2]]))]

@@ -533,3 +533,36 @@ def test_planned_update_takes_a_host_buffer_only_when_a_host_bucket_arrives(mode
     manager._stage_planned(u, 0, plan.pack(0, b, flat))
     assert u.buffer is not None and u.buffer.numel() >= sum(bk.nbytes for bk in plan.buckets)
     manager.abort(u.id)
+
+
+def test_the_embedded_engine_computes_the_quantized_transformers_model(models, tmp_path):
+    """The embedded engine builds its model without initialization and writes the checkpoint into NVFP4
+    storage only: its logits equal, bitwise, those of transformers' model of the same checkpoint quantized
+    in place (`quantize_model`), for a BF16 checkpoint (a), a converted one (b_nvfp4, against b) and one with
+    tied embeddings; a checkpoint that leaves a quantized module unwritten is refused, naming the module."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from nvfp4_sampler.sampler_format import SamplerConfig
+    from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
+    from nvfp4_sampler.server.engines.base import EngineError
+    from nvfp4_sampler.server.engines.embedded import EmbeddedEngine
+    from nvfp4_sampler.testing.models import tiny_qwen3
+
+    ids, tied = torch.tensor([SEQS[0]]), tiny_qwen3(tmp_path / "tied", seed=2, tie_word_embeddings=True)
+    for served, source in ((models["a"], models["a"]), (models["b_nvfp4"], models["b"]), (tied, tied)):
+        engine = EmbeddedEngine(served)
+        engine._load()
+        want = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+        quantize_model(want, SamplerConfig())
+        with torch.no_grad():
+            assert torch.equal(engine.model(ids).logits, want(ids).logits), served
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for f in models["a"].iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    save_file({k: v for k, v in tensors(models["a"]).items() if "layers.0.mlp.down_proj" not in k},
+              folder / "model.safetensors")
+    with pytest.raises(EngineError, match="unwritten.*layers.0.mlp.down_proj"):
+        EmbeddedEngine(folder)._load()

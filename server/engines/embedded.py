@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from nvfp4_sampler.kernels import NVFP4Tensor
 from nvfp4_sampler.sampler_plugin import commit, layers
-from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
+from nvfp4_sampler.sampler_plugin.torch_modules import never_loaded, quantize_model
 
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from .base import Engine, EngineError, checkpoint_specs, sampler_config
@@ -102,16 +102,26 @@ class EmbeddedEngine(Engine):
     def _load(self) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from transformers.initialization import no_init_weights
+
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval().to(self.device)
-        self.targets = _reload_targets(self.model, quantize_model(self.model, self.config))
+        # built on the device without random initialization, its linears and experts as NVFP4 storage only:
+        # the checkpoint writes every weight next (a 48-layer 30B-A3B spent minutes in BF16 init and
+        # quantization of values it then overwrote)
+        with torch.device(self.device), no_init_weights():
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+        self.model.tie_weights()                      # (no_init_weights skips init_weights, which ties them)
+        self.targets = _reload_targets(self.model, quantize_model(self.model, self.config, weights=False))
         self._fused_plans: dict = {}                  # commit.apply_fused's write plans (targets never change)
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
-            state |= load_file(f)
+            state |= load_file(f, device=str(self.device))
         self._write(state)
+        if missing := never_loaded(self.model):
+            raise EngineError(f"{self.model_dir}: the checkpoint leaves {len(missing)} quantized modules unwritten, "
+                              f"e.g. {missing[:3]}", status=422)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
 
     # ------------------------------------------------------------------ updates
