@@ -34,8 +34,9 @@ configuration whose log-probs equal eager's bitwise, docs/VLLM.md): its cost aga
 (NVFP4_SAMPLER_MMA=wgmma in that engine's processes), --exact with the exact Triton GEMM on the tiled codes at 33-64
 tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every size
 (NVFP4_SAMPLER_PERSIST=0: the default before persistent CTAs from 17 tokens), --pdl with the decode kernel
-launched as a programmatic dependent of the quantizer at every size (NVFP4_SAMPLER_PDL=1; the default: at
-batch 1 only),
+launched as a programmatic dependent of the quantizer up to 16 tokens (NVFP4_SAMPLER_PDL_MAX_M=16; the
+default: at one token only; at every size it lost at batch 64 in four runs of four: its batch 1 and 64 are
+the default's launches, a control of the spread),
 --global-split-k with split-K through global planes instead of clusters (NVFP4_SAMPLER_SPLIT_K=global): the
 kernel choice measured end to end.
 
@@ -97,8 +98,8 @@ KERNEL_VARIANTS = {
     "nvfp4_wgmma": ("--wgmma", {"NVFP4_SAMPLER_MMA": "wgmma"}, "the wgmma decode kernel in every launch"),
     "nvfp4_exact": ("--exact", {"NVFP4_SAMPLER_EXACT_MIN_M": "33"}, "the Triton exact GEMM at 33-64 tokens"),
     "nvfp4_one_tile": ("--one-tile", {"NVFP4_SAMPLER_PERSIST": "0"}, "one tile a CTA at every size"),
-    "nvfp4_pdl": ("--pdl", {"NVFP4_SAMPLER_PDL": "1"},
-                  "the decode kernel a programmatic dependent of the quantizer at every size"),
+    "nvfp4_pdl": ("--pdl", {"NVFP4_SAMPLER_PDL_MAX_M": "16"},
+                  "the decode kernel a programmatic dependent of the quantizer up to 16 tokens"),
     "nvfp4_global": ("--global-split-k", {"NVFP4_SAMPLER_SPLIT_K": "global"},
                      "split-K through global FP32 planes instead of thread-block clusters (no cluster launches)"),
 }

@@ -84,7 +84,7 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e.json" ;;   # 330 s cut it inside the MoE shape (start-ups ~80 s)
     bench_e2e_moe) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:4
                               --out $OUT/bench_vllm_e2e_moe.json" ;;
-    bench_e2e_moe_16) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16
+    bench_e2e_moe_16) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --profiled 1,16,64
                               --out $OUT/bench_vllm_e2e_moe_16.json" ;;   # GPU-bound (4 layers are host-bound), 20 GB on disk
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
     bench_e2e_wgmma) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma

@@ -85,6 +85,15 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def env_count(name: str, default: int) -> int:
+    """A token-count switch read once at import like `_env_choice`'s: the environment's 0..MMA_MAX_M, or
+    default unset; anything else stops the import naming the variable."""
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) > MMA_MAX_M:
+        raise ValueError(f"{name} must be a token count 0..{MMA_MAX_M}, got {value!r}")
+    return int(value)
+
+
 # The MMA every launch uses unless told: "mma" (mma.sync) or "wgmma" (the warpgroup-MMA variant, sm_90a)
 WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # Split-K through thread-block clusters (the .cu file's CLUSTER: partial sums added through distributed
@@ -134,9 +143,11 @@ PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 # tokens/s at batch 16 / 64 for the same GPU time in the GEMMs (2898 vs 2907, 4607 vs 4682 us a step), and
 # 0.96x at batch 1 (268 vs 279 tokens/s, spreads of 5 apart); as one CUDA graph of the 8B linears x 36 layers
 # (`bench/bench_graph_launch.py`) programmatic launches cost the host's cudaGraphLaunch 254 vs 153 us
-# (M = 16) and 220 vs 163 (M = 64) for the GPU's 3362 vs 3310 and 5017 vs 5224 us
+# (M = 16) and 220 vs 163 (M = 64) for the GPU's 3362 vs 3310 and 5017 vs 5224 us. Since then PDL at every
+# size beat the default at batch 16 in three runs of four (1.09x H200, 1.04x and 1.22x H100) and lost at 64 in
+# all four: NVFP4_SAMPLER_PDL_MAX_M (the e2e bench's --pdl engine: 16) moves the "auto" bound to measure it
 PDL = _env_choice("NVFP4_SAMPLER_PDL", ("auto", "0", "1"))
-PDL_MAX_M = 1
+PDL_MAX_M = env_count("NVFP4_SAMPLER_PDL_MAX_M", 1)
 
 
 def pdl_default(m: int, mode: str | None = None) -> bool:

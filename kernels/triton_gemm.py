@@ -40,7 +40,6 @@ the router weight.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -60,10 +59,7 @@ _MMA_DTYPES = (torch.bfloat16, torch.float16)
 # where the engines' cuda_mma linear took 32.5 / 23.5 / 73.6 / 67.2, seventh session; tiled codes not yet
 # measured). Read at import from NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark
 # can run whole engines on it (the e2e bench's --exact); not a user setting
-_EXACT_MIN_M = os.environ.get("NVFP4_SAMPLER_EXACT_MIN_M", "0")
-if not _EXACT_MIN_M.isdigit() or int(_EXACT_MIN_M) > cuda_mma.MMA_MAX_M:
-    raise ValueError(f"NVFP4_SAMPLER_EXACT_MIN_M must be a token count 0..{cuda_mma.MMA_MAX_M}, got {_EXACT_MIN_M!r}")
-EXACT_MIN_M = int(_EXACT_MIN_M)
+EXACT_MIN_M = cuda_mma.env_count("NVFP4_SAMPLER_EXACT_MIN_M", 0)
 
 
 @functools.lru_cache(maxsize=None)

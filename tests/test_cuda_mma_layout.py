@@ -271,6 +271,23 @@ def test_programmatic_launches_by_default_at_one_token_only():
     assert pd(64, "1") and not pd(1, "0")
 
 
+def test_the_token_count_switches_are_read_once_and_checked():
+    """NVFP4_SAMPLER_PDL_MAX_M moves the "auto" bound of programmatic launches (the e2e bench's --pdl: 16);
+    a value that is not a token count 0..MMA_MAX_M stops the import, naming the variable."""
+    import os
+    import sys
+    code = "from nvfp4_sampler.kernels import cuda_mma as c; print([c.pdl_default(m) for m in (1, 16, 17)])"
+    for value, want in ((None, [True, False, False]), ("16", [True, True, False]), ("0", [False] * 3)):
+        env = {k: v for k, v in os.environ.items() if k != "NVFP4_SAMPLER_PDL_MAX_M"}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env if value is None else dict(env, NVFP4_SAMPLER_PDL_MAX_M=value))
+        assert res.stdout.strip() == str(want), res.stderr
+    for bad in ("x", "65", "-1"):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, NVFP4_SAMPLER_PDL_MAX_M=bad))
+        assert res.returncode != 0 and "NVFP4_SAMPLER_PDL_MAX_M must be a token count" in res.stderr
+
+
 def test_throughput_options_only_above_8_tokens_and_only_prepared_variants():
     """The default path's faster launch (not batch-invariant): at 9-16 tokens a longer split-K slice where
     it keeps a wave of CTAs; above 16 tokens the first (RW, CPS) of THROUGHPUT_TILES with THROUGHPUT_MIN_CTAS CTAs, 16 warps on warpgroup MMAs where the device has them.

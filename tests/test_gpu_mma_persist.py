@@ -67,7 +67,7 @@ def test_l2_prefetch_gives_the_same_bits(mods, m, persist, cluster):
 
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_an_ordinary_launch_gives_the_programmatic_dependents_bits(mods, m, monkeypatch):
-    """NVFP4_SAMPLER_PDL (`cuda_mma.PDL`; "1": the e2e bench's --pdl engine): the kernel launched right after
+    """NVFP4_SAMPLER_PDL (`cuda_mma.PDL`; "1": every launch): the kernel launched right after
     the quantizer with and without the programmatic-dependent attribute gives the same bits (without it its
     griddepcontrol.wait is a no-op), one tile a CTA and persistent, at the default launch of each size."""
     cuda_mma, tg, _ = mods
