@@ -29,14 +29,16 @@ class NVFP4Linear(nn.Module):
                                              k=weight.codes.shape[-1] * 2)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig, weights: bool = True) -> "NVFP4Linear":
-        """Quantize `linear` (checkpoint prefix `name`) with config.recipe.weight and config.recipe.op_order;
-        weights=False: its storage only (`layers.create_weight`: NaN scales until a checkpoint is written)."""
+    def from_linear(cls, linear: nn.Linear, name: str, config: SamplerConfig, weights: bool = True,
+                    device: torch.device | str | None = None) -> "NVFP4Linear":
+        """Quantize `linear` (checkpoint prefix `name`) with config.recipe.weight and config.recipe.op_order
+        into storage on `device` (default: the weight's); weights=False: the storage only
+        (`layers.create_weight`: NaN scales until a checkpoint is written)."""
         n, k = linear.weight.shape
-        w = layers.create_weight(n, k, device=linear.weight.device, name=name)
+        w = layers.create_weight(n, k, device=device or linear.weight.device, name=name)
         if weights:
             layers.write(w, layers.Shard(name, (n, k), slice(0, n)), "weight", linear.weight.detach(), config=config)
-        return cls(w, linear.bias, config)
+        return cls(w, None if linear.bias is None else linear.bias.to(w.codes.device), config)
 
     def weight(self) -> NVFP4Tensor:
         return NVFP4Tensor(self.codes, self.block_scales, self.global_scale)
@@ -62,14 +64,16 @@ class NVFP4Experts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts: nn.Module, name: str, config: SamplerConfig, weights: bool = True,
+                     device: torch.device | str | None = None,
                      proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> "NVFP4Experts":
         """Quantize each expert's gate, up and down projection as its own checkpoint tensor (weights=False:
         the storage only, as `from_linear`)."""
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()   # [E, 2I, H], [E, H, I]
         e_count, two_i, hidden = gate_up.shape
         inter = two_i // 2
-        w13 = layers.create_weight(two_i, hidden, experts=e_count, device=gate_up.device, name=name)
-        w2 = layers.create_weight(hidden, inter, experts=e_count, global_per_row=False, device=down.device, name=name)
+        w13 = layers.create_weight(two_i, hidden, experts=e_count, device=device or gate_up.device, name=name)
+        w2 = layers.create_weight(hidden, inter, experts=e_count, global_per_row=False, device=device or down.device,
+                                  name=name)
         gate, up, dn = proj_names
         for e in range(e_count if weights else 0):
             layers.write(w13, layers.Shard(f"{name}.{e}.{gate}", (inter, hidden), slice(0, inter), e), "weight",
@@ -97,11 +101,13 @@ def _is_stacked_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, weights: bool = True) -> dict[str, str]:
+def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, weights: bool = True,
+                   device: torch.device | str | None = None) -> dict[str, str]:
     """Replace, in place, every nn.Linear and stacked-experts module that `policy.should_quantize`
-    selects by its NVFP4 counterpart (names are the checkpoint's module prefixes). weights=False: the
-    NVFP4 storage only, for a checkpoint written next (the modules' BF16 values are not read: a model built
-    without initialization); `never_loaded` names what such a checkpoint left unwritten.
+    selects by its NVFP4 counterpart (names are the checkpoint's module prefixes), its storage on `device`
+    (default: the module's). weights=False: the NVFP4 storage only, for a checkpoint written next (the
+    modules' BF16 values are never read: a model built without initialization, its pages never touched);
+    `never_loaded` names what such a checkpoint left unwritten.
 
     Returns {module name: "linear" | "experts"} of the replaced modules.
     """
@@ -111,9 +117,9 @@ def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, wei
         if not name or not should_quantize(name, config):
             continue
         if isinstance(module, nn.Linear):
-            new, kind = NVFP4Linear.from_linear(module, name, config, weights), "linear"
+            new, kind = NVFP4Linear.from_linear(module, name, config, weights, device), "linear"
         elif _is_stacked_experts(module):
-            new, kind = NVFP4Experts.from_experts(module, name, config, weights), "experts"
+            new, kind = NVFP4Experts.from_experts(module, name, config, weights, device), "experts"
         else:
             continue
         parent_name, _, child = name.rpartition(".")

@@ -107,13 +107,14 @@ class EmbeddedEngine(Engine):
         hf_config = AutoConfig.from_pretrained(self.model_dir)
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config
-        # built on the device without random initialization, its linears and experts as NVFP4 storage only:
-        # the checkpoint writes every weight next (a 48-layer 30B-A3B spent minutes in BF16 init and
-        # quantization of values it then overwrote)
-        with torch.device(self.device), no_init_weights():
+        # built without random initialization (its BF16 pages never touched), its linears and experts
+        # replaced by NVFP4 storage on the device, the rest moved there: the checkpoint writes every weight
+        # next (a 48-layer 30B-A3B spent minutes in BF16 init, copy and quantization of values it then overwrote)
+        with no_init_weights():
             self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-        self.model.tie_weights()                      # (no_init_weights skips init_weights, which ties them)
-        self.targets = _reload_targets(self.model, quantize_model(self.model, self.config, weights=False))
+        replaced = quantize_model(self.model, self.config, weights=False, device=self.device)
+        self.model.to(self.device).tie_weights()      # (no_init_weights skips init_weights, which ties them)
+        self.targets = _reload_targets(self.model, replaced)
         self._fused_plans: dict = {}                  # commit.apply_fused's write plans (targets never change)
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
