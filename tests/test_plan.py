@@ -54,6 +54,7 @@ def test_fused_entries_and_roundtrip():
                                    + [f"model.layers.{L}.{n}" for L in range(2) for n in per_layer])
     assert len(manifest) == 2 + 2 * (4 + 3 + 3 * E) and len(plan.entries) == 2 + 2 * 7
     assert len(plan.buckets) > 1 and plan.plan_id == TransferPlan.from_dict(plan.to_dict()).plan_id
+    assert vars(plan)["plan_id"] == plan.plan_id    # hashed once: every planned status answer names it
     fused = {}
     for b, bk in enumerate(plan.buckets):
         flat = plan.pack(b, t, plan.new_buffer(b))
