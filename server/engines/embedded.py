@@ -101,7 +101,6 @@ class EmbeddedEngine(Engine):
 
     def _load(self) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
         from transformers.initialization import no_init_weights
 
         hf_config = AutoConfig.from_pretrained(self.model_dir)
