@@ -538,8 +538,9 @@ def test_planned_update_takes_a_host_buffer_only_when_a_host_bucket_arrives(mode
 def test_the_embedded_engine_computes_the_quantized_transformers_model(models, tmp_path):
     """The embedded engine builds its model without initialization and writes the checkpoint into NVFP4
     storage only: its logits equal, bitwise, those of transformers' model of the same checkpoint quantized
-    in place (`quantize_model`), for a BF16 checkpoint (a), a converted one (b_nvfp4, against b) and one with
-    tied embeddings; a checkpoint that leaves a quantized module unwritten is refused, naming the module."""
+    in place (`quantize_model`), for a BF16 checkpoint (a), a converted one (b_nvfp4, against b), one with
+    tied embeddings and one with attention biases (plain tensors beside the NVFP4 weights); a checkpoint
+    that leaves a quantized module unwritten is refused, naming the module."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -550,7 +551,9 @@ def test_the_embedded_engine_computes_the_quantized_transformers_model(models, t
     from nvfp4_sampler.testing.models import tiny_qwen3
 
     ids, tied = torch.tensor([SEQS[0]]), tiny_qwen3(tmp_path / "tied", seed=2, tie_word_embeddings=True)
-    for served, source in ((models["a"], models["a"]), (models["b_nvfp4"], models["b"]), (tied, tied)):
+    biased = tiny_qwen3(tmp_path / "biased", seed=3, attention_bias=True)
+    for served, source in ((models["a"], models["a"]), (models["b_nvfp4"], models["b"]), (tied, tied),
+                           (biased, biased)):
         engine = EmbeddedEngine(served)
         engine._load()
         want = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()

@@ -28,13 +28,15 @@ from .base import Engine, EngineError, checkpoint_specs, sampler_config
 
 def _reload_targets(model: torch.nn.Module, replaced: dict[str, str]) -> dict[str, commit.Target]:
     """Checkpoint name -> commit.Target of a `quantize_model`-ed transformers model: NVFP4 linears and
-    each expert projection by module prefix, every other parameter by its full name."""
+    each expert projection by module prefix, their biases and every other parameter by its full name."""
     targets: dict[str, commit.Target] = {}
     for name, kind in replaced.items():
         mod = model.get_submodule(name)
         if kind == "linear":
             n, k = mod.codes.shape[0], mod.codes.shape[1] * 2
             targets[name] = commit.Target(weight=mod.weight(), shard=layers.Shard(name, (n, k), slice(0, n)))
+            if mod.bias is not None:                  # a plain tensor beside the NVFP4 weight
+                targets[f"{name}.bias"] = commit.Target(param=mod.bias.data)
             continue
         w13, w2 = (NVFP4Tensor(*p) for p in (mod.w13, mod.w2))
         experts, hidden, inter = w2.codes.shape[0], w2.codes.shape[1], w2.codes.shape[2] * 2
