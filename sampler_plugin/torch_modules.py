@@ -106,8 +106,8 @@ def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, wei
     """Replace, in place, every nn.Linear and stacked-experts module that `policy.should_quantize`
     selects by its NVFP4 counterpart (names are the checkpoint's module prefixes), its storage on `device`
     (default: the module's). weights=False: the NVFP4 storage only, for a checkpoint written next (the
-    modules' BF16 values are never read: a model built without initialization, its pages never touched);
-    `never_loaded` names what such a checkpoint left unwritten.
+    modules' BF16 values are never read: a model built without initialization, its pages never touched;
+    `layers.LoadTracker` names what such a checkpoint left unwritten).
 
     Returns {module name: "linear" | "experts"} of the replaced modules.
     """
@@ -126,11 +126,3 @@ def quantize_model(model: nn.Module, config: SamplerConfig | None = None, *, wei
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced[name] = kind
     return replaced
-
-
-def never_loaded(model: nn.Module) -> list[str]:
-    """Names of the NVFP4 modules with a second-level scale still NaN (`layers.create_weight`'s mark: some
-    of their checkpoint tensors were never written)."""
-    return [name for name, m in model.named_modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))
-            and any(bool(p.isnan().any()) for p in ([m.global_scale] if isinstance(m, NVFP4Linear)
-                                                    else [m.w13[2], m.w2[2]]))]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from nvfp4_sampler.kernels import NVFP4Tensor
 from nvfp4_sampler.sampler_plugin import commit, layers
-from nvfp4_sampler.sampler_plugin.torch_modules import never_loaded, quantize_model
+from nvfp4_sampler.sampler_plugin.torch_modules import quantize_model
 
 from ..protocol import LogprobsRequest, SequenceLogprobs
 from .base import Engine, EngineError, checkpoint_specs, sampler_config
@@ -120,10 +120,17 @@ class EmbeddedEngine(Engine):
         state = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
             state |= load_file(f, device=str(self.device))
+        tracker = layers.LoadTracker(t.shard for t in self.targets.values() if t.shard is not None)
+        for name, tensor in state.items():
+            prefix, kind = commit.split_name(name)
+            if (target := self.targets.get(prefix)) is not None and target.shard is not None:
+                tracker.record(target.shard, kind, tensor)
+        try:
+            tracker.check()
+        except ValueError as e:
+            raise EngineError(f"{self.model_dir}: the checkpoint leaves quantized modules unwritten: {e}",
+                              status=422) from e
         self._write(state)
-        if missing := never_loaded(self.model):
-            raise EngineError(f"{self.model_dir}: the checkpoint leaves {len(missing)} quantized modules unwritten, "
-                              f"e.g. {missing[:3]}", status=422)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
 
     # ------------------------------------------------------------------ updates
