@@ -319,16 +319,24 @@ def _tile_order(n: int, k: int, unit: int, *, inverse: bool = False) -> tuple[li
     return shape, perm
 
 
+@functools.cache
+def _half_word_table(inverse: bool, device: torch.device) -> torch.Tensor:
+    """int16 [65536]: every 16-bit half of a 32-bit word of codes (four E2M1 codes, element i at bits
+    4i..4i+3 in ModelOpt) re-encoded to `_TILED_BITS` (inverse: back). The halves of a word move alone."""
+    v = torch.arange(1 << 16, dtype=torch.int32)
+    out = torch.zeros_like(v)
+    for i, (sign, mag) in enumerate(_TILED_BITS):
+        src, dst = ((4 * i + 3, 4 * i), (sign, mag))[::-1 if inverse else 1]
+        out |= ((v >> src[0]) & 1) << dst[0] | ((v >> src[1]) & 7) << dst[1]
+    return torch.where(out >= 1 << 15, out - (1 << 16), out).to(torch.int16).to(device)
+
+
 def _encode_words(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Codes uint8 [..., 4j] with every 32-bit word's eight E2M1 codes moved from ModelOpt's nibbles
-    (element i at bits 4i..4i+3) to `_TILED_BITS` (inverse: back)."""
-    w = codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros_like(w)
-    for half in (0, 16):
-        for i, (sign, mag) in enumerate(_TILED_BITS):
-            src, dst = ((half + 4 * i + 3, half + 4 * i), (half + sign, half + mag))[::-1 if inverse else 1]
-            out |= ((w >> src[0]) & 1) << dst[0] | ((w >> src[1]) & 7) << dst[1]
-    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).view(torch.uint8)
+    """Codes uint8 [..., 4j] (a strided view whose last dimension is contiguous is read in place) with
+    every 32-bit word's eight E2M1 codes moved from ModelOpt's nibbles (element i at bits 4i..4i+3) to
+    `_TILED_BITS` (inverse: back): one table lookup per 16-bit half; a new contiguous tensor."""
+    halves = codes.view(torch.int16).to(torch.int32, memory_format=torch.contiguous_format) & 0xFFFF
+    return _half_word_table(inverse, codes.device)[halves].view(torch.uint8)
 
 
 def _check_rows(t: torch.Tensor, per: int, what: str) -> int:
@@ -345,10 +353,8 @@ def tile_codes(codes: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
     layer are written and read by rows."""
     k = _check_rows(codes, 2, "tile_codes")
     shape, perm = _tile_order(codes.shape[0], k, 16, inverse=inverse)
-    if inverse:
-        codes = _encode_words(codes, inverse=True)
-    out = codes.reshape(shape).permute(perm).contiguous().reshape(codes.shape)
-    return out if inverse else _encode_words(out)
+    # the permutation moves whole 16-byte runs and the encoding acts inside 16-bit halves: one pass does both
+    return _encode_words(codes.reshape(shape).permute(perm), inverse=inverse).reshape(codes.shape)
 
 
 def tile_scales(scales: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
