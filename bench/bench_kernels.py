@@ -410,7 +410,7 @@ def bench_moe(log, quick: bool) -> None:
     log("memory", dict(shape="30B-A3B MoE layer", bf16_bytes=bf_bytes, nvfp4_bytes=w13.nbytes + w2.nbytes,
                        ratio=(w13.nbytes + w2.nbytes) / bf_bytes))
     w13_t, w2_t = w13_bf.transpose(1, 2), w2_bf.transpose(1, 2)
-    for t in ((1, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 4, 16, 32, 64, 128, 256, 1024, 8192)):
+    for t in ((1, 4, 8, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)):
         n_routes = 16 if t <= 64 else 1
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
@@ -418,13 +418,14 @@ def bench_moe(log, quick: bool) -> None:
         row = dict(tokens=t, ours_ms=ours, path=triton_moe.moe_path(t * k, x, w13, w2))
         if t <= 64:                               # the per-pair decode path, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
-        if t >= 16:                               # the grouped Triton GEMM, the tensor-core kernels (forced)
-            for path in ("grouped", "mma", "exact"):
-                try:
-                    row[f"{path}_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path=path)
-                                                          for tw, ti in routes]) / n_routes
-                except Exception as err:  # noqa: BLE001 - e.g. the mma launch's tile limit at 8192 tokens, a
-                    row[f"{path}_error"] = str(err)[:300]      # Triton OutOfResources: the row goes on
+        # the grouped Triton GEMM, the tensor-core kernels (forced); below 16 tokens the tensor-core grouped
+        # launches alone: where they overtake the per-pair GEMVs (batch 1 is the MoE shape's missed e2e goal)
+        for path in ("grouped", "mma", "exact") if t >= 16 else ("mma",):
+            try:
+                row[f"{path}_ms"] = graph_ms(lambda: [triton_moe.moe(x, w13, w2, tw, ti, path=path)
+                                                      for tw, ti in routes]) / n_routes
+            except Exception as err:  # noqa: BLE001 - e.g. the mma launch's tile limit at 8192 tokens, a
+                row[f"{path}_error"] = str(err)[:300]      # Triton OutOfResources: the row goes on
         if t >= 16:                               # the exact GEMM decoding the codes itself (no FP16 copy), by
             row["exact_codes_ms"] = {                 # expert tile: wgmma N = 16 rows at decode sizes, 64 beyond
                 tile: tried_ms(lambda cfg=cfg: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact", config=cfg)

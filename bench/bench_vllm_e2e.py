@@ -56,6 +56,7 @@ import json
 import os
 import statistics
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -374,6 +375,8 @@ def main() -> None:
             if proc.returncode:                             # what it measured before failing is kept
                 entry[quant]["error"] = proc.stderr[-3000:]
             Path(args.out).write_text(json.dumps(results, indent=1))
+        shutil.rmtree(tmp / shape)       # its checkpoint (up to ~20 GB): a device's disk holds few of them
+    shutil.rmtree(tmp)
     asyncs = sorted({str(e[q].get("async_scheduling")) for e in results["models"].values() for q in quants})
     print(f"\nDecode tokens/s, {results['device']}, vLLM mode {args.mode}, engine core in its own process, async "
           f"scheduling {'/'.join(asyncs)}, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens")
