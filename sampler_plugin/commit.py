@@ -266,19 +266,21 @@ def _serving(storage: NVFP4Tensor, targets: Mapping[str, Target], entry: FusedEn
 
 def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapping[str, torch.Tensor]]]) -> None:
     """All fused writes: codes and block scales (tiled first for a "mma_tiled" storage) as one
-    `torch._foreach_copy_` per dtype, decode scales one op per entry (broadcast, or gathered per row)."""
+    `torch._foreach_copy_` per dtype; decode scales broadcast into their storage by one more, or gathered
+    per row (a storage whose rows take their parts' scales) one op per entry."""
     torch._foreach_copy_([s.codes for s, _, _, _ in writes],
                          [layers.as_stored(s, "weight", t["weight"]) for s, _, _, t in writes])
     torch._foreach_copy_([s.block_scales for s, _, _, _ in writes],
                          [layers.as_stored(s, "weight_scale", t["weight_scale"]) for s, _, _, t in writes])
+    dst, src = [], []
     for storage, per_row, index, tensors in writes:
         s2, gs = tensors["weight_scale_2"].to(storage.global_scale.device), storage.global_scale
-        if s2.dim() == 0:
-            gs.copy_(s2.expand_as(gs))
-        elif per_row:
+        if per_row and s2.dim():
             torch.index_select(s2, -1, index, out=gs)
         else:
-            gs.copy_(s2[..., 0])
+            dst.append(gs)
+            src.append((s2 if s2.dim() == 0 else s2[..., 0]).expand_as(gs))
+    torch._foreach_copy_(dst, src)
 
 
 def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *, config: SamplerConfig,
