@@ -66,8 +66,11 @@ SMALL_SWEEP = [(g, r, c) for g in (False, True) for r in (4, 8, 16) for c in (4,
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
                      for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8),
                                            (64, 128, 4, 8))]
-EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, SPLIT_K=1, W_CODES=True, num_warps=4,
+EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
+EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g, BLOCK_M=bm, BLOCK_N=bn)   # the exact MoE GEMM at >= 1024 tokens: row
+                         for g, bm, bn in ((0, 64, 128), (4, 64, 128), (8, 64, 128), (16, 64, 128),   # tiles a
+                                           (4, 128, 128), (8, 128, 128), (8, 64, 256))]   # column sweep, tiles
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
                for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
                                         (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
@@ -446,6 +449,12 @@ def bench_moe(log, quick: bool) -> None:
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
+        if t >= 1024:                             # the exact path's tile order and tiles (every order: the same
+            default = triton_moe.exact_config(t * k)  # bits): column tile major re-reads the activations per column
+            row["exact_order_ms"] = {                 # tile; GROUP_M row tiles of one expert share its weights in L2
+                "G{GROUP_M} {BLOCK_M}x{BLOCK_N}".format(**c): tried_ms(lambda c=c: [triton_moe._moe_tiled(
+                    x, w13, w2, tw, ti, "vllm", gemm="exact", config=dict(default, **c)) for tw, ti in routes]) / n_routes
+                for c in EXACT_MOE_ORDER_SWEEP}
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -606,7 +615,9 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                        ("mma_push_ms", "mma, split-K pushed to the owners"),
                        ("mma_cps_ms", "mma by split-K slice (chunks)"),
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
-                       ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile")):
+                       ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile"),
+                       ("exact_order_ms", "exact (the default's weights), by row tiles per column sweep (G, 0: all) "
+                                          "and tile")):
         for r in by("moe"):
             if key in r:
                 print(f"  {r['tokens']:6d} tokens, {label}: "

@@ -248,7 +248,7 @@ def scale_epilogue(acc: torch.Tensor, a_gs: torch.Tensor, w_gs: torch.Tensor, bi
 
 EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, W_CODES=False, num_warps=8,
                    num_stages=3)
-EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, SPLIT_K=1, W_CODES=False, num_warps=8,
+EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, SPLIT_K=1, W_CODES=False, num_warps=8,
                      num_stages=3)
 
 
@@ -317,27 +317,30 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
     2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
     rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
     `triton_quant.swiglu`). The products are exact, accumulated in fp32 on the tensor cores as w @ a.T (the
-    weight tile is the MMA's first operand). Grid (output tiles, SPLIT_K). Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles, GROUP_M
-    row tiles at a time per column sweep (L2 reuse of both operands); SPLIT_K K-slices, their fp32 partial
-    planes in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`, counters:
-    one per output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first row, end
-    row; rows sorted by expert), column tile major, SPLIT_K 1."""
+    weight tile is the MMA's first operand). Grid (output tiles, SPLIT_K): the Z row tiles GROUP_M at a time
+    per column sweep (L2 reuse of both operands; 0: column tile major, all Z per column tile); the order
+    changes no bit. Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles; SPLIT_K K-slices, their fp32
+    partial planes in ws added in slice order by the tile's last program (`triton_gemv._finish_tile`,
+    counters: one per output tile, zero). Grouped: the Z tiles of `sched` ([3, Z] int32: expert, first
+    row, end row; rows sorted by expert, so a group's tiles share experts), SPLIT_K 1."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if GROUPED:
+    if GROUP_M == 0:                                   # column tile major: every row tile per column tile
         tile = pid % Z
         pid_n = pid // Z
+    else:                                              # GROUP_M row tiles at a time per column sweep
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(Z - first, GROUP_M)
+        tile = first + (pid % per_group) % rows_in_group
+        pid_n = (pid % per_group) // rows_in_group
+    if GROUPED:
         e = tl.load(sched + tile)
         r0 = tl.load(sched + Z + tile)
         r1 = tl.load(sched + 2 * Z + tile)
         if r0 >= r1:                                   # an unused tile of the schedule
             return
     else:
-        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-        first = (pid // per_group) * GROUP_M
-        rows_in_group = tl.minimum(Z - first, GROUP_M)
-        tile = first + (pid % per_group) % rows_in_group
-        pid_n = (pid % per_group) // rows_in_group
         e = tl.full((), 0, tl.int32)
         r0 = tile * BLOCK_M
         r1 = M

@@ -168,8 +168,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order,
                           nt=cuda_mma.GROUPED_NT_WIDE if p >= MMA_WIDE_PAIRS else cuda_mma.GROUPED_NT)
     if path == "exact":
-        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact",
-                          config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True) if p <= EXACT_CODES_MAX_PAIRS else None)
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact", config=exact_config(p))
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
@@ -192,6 +191,12 @@ MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cud
 EXACT_CODES_MAX_PAIRS = 8192  # beyond MMA_MAX_PAIRS the default is "exact": the codes decoded in its GEMM up to
                       # here, the experts dequantized to FP16 for the call above (H200, 2026-12-05, us codes / fp16
                       # / grouped / BF16 grouped: 1024 tokens 778 / 1362 / 1277 / 728, 8192: 3752 / 3315 / 7470 / 2848)
+
+
+def exact_config(pairs: int) -> dict:
+    """The "exact" path's GEMM configuration for T * k = `pairs`: the codes decoded in the GEMM up to
+    EXACT_CODES_MAX_PAIRS, the experts dequantized to FP16 for the call beyond."""
+    return dict(triton_gemm.EXACT_GROUPED, W_CODES=pairs <= EXACT_CODES_MAX_PAIRS)
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:

@@ -330,6 +330,13 @@ def check_moe_exact(op_order: str) -> None:
     decoded = torch.full_like(h13, float("nan"))                       # the codes decoded inside the kernel
     triton_gemm.launch_exact(a, w13, decoded, schedule=schedule, config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True))
     assert torch.allclose(decoded, want, rtol=hidden * 2 ** -23, atol=0.0)
+    by_group = []                                    # the tile order (column tile major, GROUP_M row tiles
+    for group_m in (0, 1, 3):                        # per column sweep) changes no bit: 4 column tiles
+        by_group.append(torch.full_like(h13, float("nan")))
+        triton_gemm.launch_exact(a, w13, by_group[-1], schedule=schedule,
+                                 config=dict(triton_gemm.EXACT_GROUPED, BLOCK_N=32, GROUP_M=group_m))
+    assert torch.allclose(by_group[0], want, rtol=hidden * 2 ** -23, atol=0.0)
+    assert all(torch.equal(by_group[0], other) for other in by_group[1:])
     got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="exact")
     grouped = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order, path="grouped").float()
     assert ((got.float() - grouped).norm() / grouped.norm()).item() < 1e-2
