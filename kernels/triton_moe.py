@@ -38,11 +38,18 @@ def moe_block_m(pairs: int, num_experts: int) -> int:
     return 16 if mean <= 16 else 32
 
 
+def schedule_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Z, the tiles a schedule of `pairs` pairs holds: a used expert's rows fill whole tiles but its last, and
+    at most min(E, P) experts are used, so P // block_m + min(E, P) bound the non-empty tiles (a fixed size for
+    CUDA graphs; 1 token, top-8 of 128 experts, 8-row tiles: 9 tiles, not 129)."""
+    return pairs // block_m + min(num_experts, max(pairs, 1))
+
+
 def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Device-side grouping of the P = T*k (token, slot) pairs by expert.
 
     Returns (order int64 [P]: pair ids sorted by expert, stable; tile_expert, tile_start, tile_end
-    int32 [P // block_m + E]: expert and sorted-row range of each tile; unused tiles have an empty
+    int32 [Z] (`schedule_tiles`): expert and sorted-row range of each tile; unused tiles have an empty
     range). No host synchronization (torch.bincount would sync on CUDA), so CUDA graphs can capture it.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -53,7 +60,7 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     starts = ends - counts
     tiles = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles, 0)
-    t = torch.arange(p // block_m + num_experts, device=flat.device)
+    t = torch.arange(schedule_tiles(p, num_experts, block_m), device=flat.device)
     te = torch.searchsorted(tile_ends, t, right=True)
     valid = te < num_experts
     e = te.clamp(max=num_experts - 1)
@@ -98,7 +105,7 @@ def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
 
 def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """`moe_schedule` as `cuda_mma.launch` takes it: (order int32 [P], pos int32 [P] its inverse
-    (pos[order[s]] = s), schedule int32 [3, P // block_m + E]). Up to SCHEDULE_MAX_PAIRS pairs in one
+    (pos[order[s]] = s), schedule int32 [3, Z] (`schedule_tiles`)). Up to SCHEDULE_MAX_PAIRS pairs in one
     launch (`_schedule_kernel`), beyond from `moe_schedule`'s torch ops; both give the same values."""
     p = topk_ids.numel()
     dev = topk_ids.device
@@ -107,7 +114,7 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         pos = torch.empty_like(order)
         pos[order] = torch.arange(p, device=dev)
         return order.to(torch.int32), pos.to(torch.int32), torch.stack([tile_expert, tile_start, tile_end])
-    z = p // block_m + num_experts
+    z = schedule_tiles(p, num_experts, block_m)
     order = torch.empty(p, dtype=torch.int32, device=dev)
     pos = torch.empty(p, dtype=torch.int32, device=dev)
     schedule = torch.empty((3, z), dtype=torch.int32, device=dev)

@@ -363,6 +363,13 @@ def check_moe_schedule_and_combine() -> None:
         assert torch.equal(order.long(), o_ref), (tokens, top_k, experts)
         assert torch.equal(sched, torch.stack([e_ref, s_ref, end_ref])), (tokens, top_k, experts)
         assert torch.equal(order.long()[pos.long()], torch.arange(ids.numel()))
+        assert sched.shape[1] == ids.numel() // block_m + min(experts, ids.numel())
+        covered = torch.zeros(ids.numel(), dtype=torch.int64)          # every sorted row in exactly one tile
+        for e, r0, end in sched.t().tolist():                         # of its own expert (a tile: block_m rows
+            r1 = max(r0, min(end, r0 + block_m))                      # from r0, within its expert's end row)
+            assert (ids.reshape(-1)[order.long()[r0:r1]] == e).all()
+            covered[r0:r1] += 1
+        assert (covered == 1).all(), (tokens, top_k, experts)
         h = 48
         y = torch.randn(ids.numel(), h, generator=g)
         w = torch.rand(tokens, top_k, generator=g).to(torch.bfloat16)
