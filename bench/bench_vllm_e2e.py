@@ -101,6 +101,8 @@ KERNEL_VARIANTS = {
     "nvfp4_one_tile": ("--one-tile", {"NVFP4_SAMPLER_PERSIST": "0"}, "one tile a CTA at every size"),
     "nvfp4_pdl": ("--pdl", {"NVFP4_SAMPLER_PDL_MAX_M": "16"},
                   "the decode kernel a programmatic dependent of the quantizer up to 16 tokens"),
+    "nvfp4_moe_mma": ("--moe-mma", {"NVFP4_SAMPLER_PAIRED_MAX_PAIRS": "0"},
+                      "the MoE's tensor-core grouped launches from 1 token (no per-pair GEMVs)"),
     "nvfp4_global": ("--global-split-k", {"NVFP4_SAMPLER_SPLIT_K": "global"},
                      "split-K through global FP32 planes instead of thread-block clusters (no cluster launches)"),
 }

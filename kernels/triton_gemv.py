@@ -12,7 +12,7 @@ codes into FP16 bit patterns and packed FP16 multiply-adds form exact block dot 
 quantized inside the launch (FUSED, the spec's float operations, bit-identical codes and scales)
 or comes quantized by `triton_quant`. `launch_w4a4_pairs` is the MoE decode: one program row per
 (token, expert) pair, SwiGLU and the router weight fused (`triton_moe` calls it for
-T * topk <= PAIRED_MAX_PAIRS). Split-K partial sums go to one FP32 plane per K-slice; the last
+T * topk <= its PAIRED_MAX_PAIRS). Split-K partial sums go to one FP32 plane per K-slice; the last
 program of a tile (atomic counter) adds the planes in a fixed order (bitwise deterministic) and
 applies the epilogue, so a call is one launch (two when the activation is quantized first).
 """
@@ -403,11 +403,6 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
             HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", **cfg)
     return out
 
-
-# MoE: up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H200 (docs/BENCHMARKS.md,
-# 2026-12-05, 30B-A3B layer, top-8): pairs 31 us at 8 pairs; at 128 pairs pairs 169 us, the six-launch `cuda_mma`
-# path 137 (123 with 8-chunk slices); the crossover between 8 and 128 pairs is not measured: 64 splits it
-PAIRED_MAX_PAIRS = 64
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,

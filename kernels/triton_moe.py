@@ -1,6 +1,6 @@
 """W4A4 SwiGLU MoE on CUDA GPUs (Triton), the numerics of `reference.moe`, with no host sync.
 
-Decode (T * k <= triton_gemv.PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
+Decode (T * k <= PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight with a
 program row per (token, expert) pair, activations quantized inside the launches.
 Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it):
 `_moe_tiled`, the tensor-core kernel of the dense decode over 8-row (16 from MMA_WIDE_PAIRS) tiles of
@@ -192,6 +192,11 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     return y.index_select(0, pos).view(t, k, h).sum(1).to(x.dtype)
 
 
+# up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H200 (docs/BENCHMARKS.md,
+# 2026-12-05, 30B-A3B layer, top-8): pairs 31 us at 8 pairs; at 128 pairs pairs 169 us, the six-launch `cuda_mma`
+# path 137 (123 with 8-chunk slices); the crossover between 8 and 128 pairs is not measured: 64 splits it.
+# NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma engine: 0, the tensor-core path from 1 token)
+PAIRED_MAX_PAIRS = cuda_mma.env_count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 64)
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
@@ -208,7 +213,7 @@ def exact_config(pairs: int) -> dict:
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
     """The path `moe` takes by default for T * k = `pairs` (token, expert) pairs."""
-    if pairs <= triton_gemv.PAIRED_MAX_PAIRS:
+    if pairs <= PAIRED_MAX_PAIRS:
         return "pairs"
     if pairs <= MMA_MAX_PAIRS and mma_fits(x, w13, w2):
         return "mma"

@@ -428,12 +428,12 @@ def test_moe_path_falls_back_where_cuda_mma_cannot_run():
     the tensor-core kernels only where `mma_fits` / `exact_fits` (here, on the CPU, never: the grouped GEMM)."""
     import torch
     pytest.importorskip("triton")
-    from nvfp4_sampler.kernels import reference, triton_gemv, triton_moe
+    from nvfp4_sampler.kernels import reference, triton_moe
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     w13, w2 = reference.quantize_weight(torch.randn(4, 256, 256)), reference.quantize_weight(torch.randn(4, 256, 128))
     assert not triton_moe.mma_fits(x, w13, w2)
-    assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS, x, w13, w2) == "pairs"
-    assert triton_moe.moe_path(triton_gemv.PAIRED_MAX_PAIRS + 1, x, w13, w2) == "grouped"
+    assert triton_moe.moe_path(triton_moe.PAIRED_MAX_PAIRS, x, w13, w2) == "pairs"
+    assert triton_moe.moe_path(triton_moe.PAIRED_MAX_PAIRS + 1, x, w13, w2) == "grouped"
     assert not triton_moe.exact_fits(x, w13, w2)
     assert triton_moe.moe_path(triton_moe.MMA_MAX_PAIRS + 1, x, w13, w2) == "grouped"
     with pytest.raises(ValueError, match="mma MoE"):
@@ -480,3 +480,22 @@ def test_the_exact_gemm_switch_is_read_once_and_checked():
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=dict(os.environ, NVFP4_SAMPLER_EXACT_MIN_M=bad))
         assert res.returncode != 0 and "NVFP4_SAMPLER_EXACT_MIN_M must be a token count" in res.stderr
+
+
+def test_the_moe_pairs_switch_is_read_once_and_checked():
+    """NVFP4_SAMPLER_PAIRED_MAX_PAIRS (the e2e bench's --moe-mma engine: 0): the MoE's per-pair GEMVs up to that
+    many (token, expert) pairs, the grouped launches above (here, on the CPU, the Triton grouped GEMM); anything
+    but a count 0..64 stops the import, naming it."""
+    import os
+    import sys
+    code = ("import torch; from nvfp4_sampler.kernels import reference, triton_moe as tm; "
+            "x = torch.zeros(1, 256, dtype=torch.bfloat16); w = reference.quantize_weight(torch.randn(4, 256, 256)); "
+            "print([tm.moe_path(p, x, w, w) for p in (1, 8, 64, 65)])")
+    for value, want in ((None, ["pairs"] * 3 + ["grouped"]), ("0", ["grouped"] * 4), ("8", ["pairs"] * 2 + ["grouped"] * 2)):
+        env = {k: v for k, v in os.environ.items() if k != "NVFP4_SAMPLER_PAIRED_MAX_PAIRS"}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env if value is None else dict(env, NVFP4_SAMPLER_PAIRED_MAX_PAIRS=value))
+        assert res.stdout.strip() == str(want), res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, NVFP4_SAMPLER_PAIRED_MAX_PAIRS="65"))
+    assert res.returncode != 0 and "NVFP4_SAMPLER_PAIRED_MAX_PAIRS must be a token count" in res.stderr

@@ -265,7 +265,7 @@ def check_moe_pairs(op_order: str) -> None:
             assert bool(((act[p].float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()), f"SwiGLU row {p}"
     want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
     got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)
-    assert ids.numel() <= triton_gemv.PAIRED_MAX_PAIRS
+    assert ids.numel() <= triton_moe.PAIRED_MAX_PAIRS
     assert torch.equal(got, triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)), "MoE not deterministic"
     rel = ((got.float() - want).norm() / want.norm()).item()
     assert rel < 3e-2, f"MoE decode relative error {rel:.3g}"
