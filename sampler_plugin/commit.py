@@ -51,11 +51,29 @@ def e4m3_nan(bits: torch.Tensor) -> torch.Tensor:
     return (bits & 0x7F) == 0x7F
 
 
+def _nonfinite(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A device bool: whether a float tensor holds a NaN or Inf (float8 widened first); None for others."""
+    if not tensor.is_floating_point():
+        return None
+    return ~torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor).all()
+
+
 def is_finite(tensor: torch.Tensor) -> bool:
     """Whether a tensor holds no NaN or Inf (True for integer tensors; float8 is widened first)."""
-    if not tensor.is_floating_point():
-        return True
-    return bool(torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor).all())
+    flag = _nonfinite(tensor)
+    return flag is None or not bool(flag)
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The first name whose tensor holds a NaN or Inf, or None: one host synchronisation per device
+    for all of them (a tensor at a time only once one is flagged)."""
+    flags = [(name, f) for name, t in named if (f := _nonfinite(t)) is not None]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    if not any(bool(torch.stack(fs).any()) for fs in by_device.values()):
+        return None
+    return next(name for name, f in flags if bool(f))
 
 
 def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
@@ -77,6 +95,7 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
     """The whole-call check of `apply_update` (writes nothing): (plain copies, NVFP4 groups)."""
     plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     groups: dict[str, dict[str, torch.Tensor]] = {}
+    finite: list[tuple[str, torch.Tensor]] = []                     # checked together after the loop
     for name in sorted(tensors):
         tensor = tensors[name]
         target = targets.get(name)
@@ -84,8 +103,7 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
             if tuple(tensor.shape) != tuple(target.param.shape) or not tensor.dtype.is_floating_point:
                 raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} dtype {tensor.dtype} does not "
                                  f"match the model's {tuple(target.param.shape)} {target.param.dtype}")
-            if not is_finite(tensor):
-                raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
+            finite.append((name, tensor))
             plain.append((target.param, tensor))
             continue
         prefix, kind = split_name(name)
@@ -93,11 +111,14 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
         if target is None or target.shard is None:
             raise ValueError(f"nvfp4_sampler: {name}: no such tensor in the model")
         layers.validate(target.shard, kind, tensor)                  # a float weight: NaN/Inf checked there
-        if kind != "weight" and not is_finite(tensor):
-            raise ValueError(f"nvfp4_sampler: {name}: contains NaN or Inf")
+        if kind != "weight":
+            finite.append((name, tensor))
         groups.setdefault(prefix, {})[kind] = tensor
     for prefix, group in groups.items():
         check_group(prefix, group)
+    bad = first_nonfinite(finite)
+    if bad is not None:
+        raise ValueError(f"nvfp4_sampler: {bad}: contains NaN or Inf")
     return plain, groups
 
 
@@ -280,7 +301,8 @@ def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapp
         else:
             dst.append(gs)
             src.append((s2 if s2.dim() == 0 else s2[..., 0]).expand_as(gs))
-    torch._foreach_copy_(dst, src)
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *, config: SamplerConfig,
