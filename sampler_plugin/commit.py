@@ -199,11 +199,26 @@ def _full(s: slice, n: int) -> bool:
 
 
 def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
-    """(storage, per_row, row -> slot index or None, checkpoint names) if `entry` fills one NVFP4
-    storage exactly, row for row, in its layout (then its tensors are copied whole); None otherwise
-    (the per-tensor path)."""
+    """(parts, checkpoint names) if `entry` fills one NVFP4 storage exactly, row for row, in its layout
+    (one part: its tensors copied whole), or its slots fill one storage each (a fused qkv / gate_up whose
+    engine holds the parts apart: a part per slot, its rows copied whole); None otherwise (the per-tensor
+    path). A part: (storage, per_row, row -> slot index or None, the entry's rows or None, slot or None)."""
     if entry.layout != "nvfp4" or set(entry.tensors) != set(layers.KINDS):
         return None
+    whole = _whole_storage(targets, entry)
+    parts = (whole,) if whole is not None else _storage_per_slot(targets, entry)
+    if parts is None:
+        return None
+    names = []
+    for slot in entry.slots:
+        for n, _ in slot.names():
+            p = n.removesuffix(".weight")
+            names += [n, f"{p}.weight_scale", f"{p}.weight_scale_2"]
+    return parts, names
+
+
+def _whole_storage(targets: Mapping[str, Target], entry: FusedEntry):
+    """The one part of an entry that fills one storage exactly, or None."""
     storage, nrows, row_slot = None, None, {}
     for slot in entry.slots:
         for name, e in slot.names():
@@ -245,12 +260,47 @@ def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
         for (r0, r1), k in row_slot.items():
             index[r0:r1] = k
         index = index.to(storage.global_scale.device)
-    names = []
+    return storage, per_row, index, None, None
+
+
+def _storage_per_slot(targets: Mapping[str, Target], entry: FusedEntry):
+    """The parts of an entry whose slots (no experts) each fill a storage of their own exactly and tile
+    the entry's rows, or None."""
+    w, ws, s2 = (entry.tensors[k] for k in layers.KINDS)
+    if (any(slot.experts is not None for slot in entry.slots) or s2.dtype != torch.float32
+            or tuple(s2.shape) not in ((), (len(entry.slots),))
+            or sorted(slot.slot for slot in entry.slots) != list(range(len(entry.slots)))):
+        return None
+    parts, rows = [], []
     for slot in entry.slots:
-        for n, _ in slot.names():
-            p = n.removesuffix(".weight")
-            names += [n, f"{p}.weight_scale", f"{p}.weight_scale_2"]
-    return storage, per_row, index, names
+        t = targets.get(slot.name.removesuffix(".weight"))
+        if t is None or t.shard is None or t.weight.codes.is_meta or t.weight.codes.dim() != 2:
+            return None
+        sh, storage = t.shard, t.weight
+        n = slot.row1 - slot.row0
+        if (sh.expert is not None or not _full(sh.src_rows, sh.shape[0]) or not _full(sh.src_cols, sh.shape[1])
+                or not _full(sh.rows, storage.codes.shape[0]) or sh.shape[0] != n or storage.codes.shape[0] != n
+                or w.dtype != storage.codes.dtype or ws.dtype != storage.block_scales.dtype
+                or tuple(w[slot.row0:slot.row1].shape) != tuple(storage.codes.shape)
+                or tuple(ws[slot.row0:slot.row1].shape) != tuple(storage.block_scales.shape)):
+            return None
+        parts.append((storage, storage.global_scale.dim() == 1, None, (slot.row0, slot.row1), slot.slot))
+        rows.append((slot.row0, slot.row1))
+    rows.sort()
+    if (len({id(p[0]) for p in parts}) != len(parts) or rows[0][0] != 0 or rows[-1][1] != w.shape[0]
+            or any(a[1] != b[0] for a, b in zip(rows, rows[1:]))):
+        return None
+    return tuple(parts)
+
+
+def _part_tensors(entry: FusedEntry, rows: tuple[int, int] | None, slot: int | None) -> Mapping[str, torch.Tensor]:
+    """The entry's tensors a part writes: all of them, or its rows and its decode scale."""
+    if rows is None:
+        return entry.tensors
+    s2 = entry.tensors["weight_scale_2"]
+    return {"weight": entry.tensors["weight"][rows[0]:rows[1]],
+            "weight_scale": entry.tensors["weight_scale"][rows[0]:rows[1]],
+            "weight_scale_2": s2 if s2.dim() == 0 else s2[slot]}
 
 
 def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict | None):
@@ -262,7 +312,7 @@ def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict |
     key = (entry.name, entry.layout, entry.slots,
            tuple((k, t.dtype, tuple(t.shape)) for k, t in sorted(entry.tensors.items())))
     plan = cache.get(key, _UNSEEN)
-    if plan is _UNSEEN or (plan is not None and not _serving(plan[0], targets, entry)):
+    if plan is _UNSEEN or (plan is not None and not _serving(plan[0][0][0], targets, entry)):
         plan = cache[key] = _fused_plan(targets, entry)
     return plan
 
@@ -339,9 +389,10 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
     if check_only:
         return []
     if fast:
-        _write_fused([(storage, per_row, index, entry.tensors) for entry, (storage, per_row, index, _) in fast])
+        _write_fused([(storage, per_row, index, _part_tensors(entry, rows, slot))
+                      for entry, (parts, _) in fast for storage, per_row, index, rows, slot in parts])
     _write_checked(targets, checked, config=config)
-    return sorted([*rest, *(n for _, plan in fast for n in plan[3])])
+    return sorted([*rest, *(n for _, (_, names) in fast for n in names)])
 
 
 def _add_members(rest: dict[str, torch.Tensor], entry: FusedEntry) -> None:

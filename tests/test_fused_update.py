@@ -94,10 +94,12 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
     nv = [e for e in entries if e.layout == "nvfp4"]
     if tp[1] > 1:
         assert fast == sum(1 for e in nv if "experts" not in e.name)        # qkv and o_proj only
-    elif fused_qkv:
-        assert fast == len(nv) == 2 * 4                                      # qkv, o_proj, w13, w2 per layer
-    else:
-        assert fast == 2 * 3                                                 # o_proj, w13, w2
+    else:                                         # qkv, o_proj, w13, w2 per layer; qkv held apart (the embedded
+        assert fast == len(nv) == 2 * 4           # engine's q / k / v): a storage per slot
+    if not fused_qkv:
+        qkv = next(e for e in entries if e.name.endswith("qkv_proj.weight"))
+        parts, _ = commit._fused_plan(got, qkv)
+        assert [p[3] for p in parts] == [(s.row0, s.row1) for s in qkv.slots] and len({id(p[0]) for p in parts}) == 3
 
 
 @pytest.mark.parametrize("name,poison", [
@@ -106,9 +108,10 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
     ("model.layers.0.self_attn.k_proj.weight_scale_2", float("nan")),
     ("model.layers.1.input_layernorm.weight", float("nan")),
 ])
-def test_a_bad_tensor_in_a_fused_entry_writes_nothing(name, poison):
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_a_bad_tensor_in_a_fused_entry_writes_nothing(name, poison, fused_qkv):
     t = moe_update()
-    targets = engine_targets()
+    targets = engine_targets(fused_qkv=fused_qkv)
     commit.apply_fused(targets, fused_entries(t)[1], config=CFG)
     before = state(targets)
     u = moe_update(seed=1)
@@ -123,7 +126,7 @@ def test_a_bad_tensor_in_a_fused_entry_writes_nothing(name, poison):
     assert_same(before, state(targets))
     # and the next good update goes through
     commit.apply_fused(targets, fused_entries(moe_update(seed=1))[1], config=CFG)
-    ref = engine_targets()
+    ref = engine_targets(fused_qkv=fused_qkv)
     commit.apply_update(ref, moe_update(seed=1), config=CFG)
     assert_same(state(ref), state(targets))
 
