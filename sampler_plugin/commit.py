@@ -362,10 +362,10 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
     nothing, with the same checks and the same resulting storage as `apply_update` of their members.
 
     An NVFP4 entry that fills one storage exactly (every expert of w13 / w2, every part of a fused
-    qkv / gate_up, unsharded) is checked whole (dtypes, shapes, no NaN in the block scales, finite
-    decode scales; neighbouring tensors of one buffer, as a planned bucket holds them, in one pass)
-    and written with one batched copy per tensor kind. Any other entry (a tensor-parallel
-    shard, an engine that holds the parts apart, a dense tensor) takes the per-tensor checks and
+    qkv / gate_up, unsharded), or whose parts each fill one (q / k / v held apart), is checked whole
+    (dtypes, shapes, no NaN in the block scales, finite decode scales; neighbouring tensors of one
+    buffer, as a planned bucket holds them, in one pass) and written with one batched copy per tensor
+    kind. Any other entry (a tensor-parallel shard, a dense tensor) takes the per-tensor checks and
     writes of `apply_update`. Everything is checked before anything is written; ValueError names
     the first bad tensor (on failure the per-tensor check of the fused entry's members names the
     checkpoint tensor). cache: a dict kept by the caller across updates of a model whose `targets`
