@@ -125,26 +125,38 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over slots j in order of topk_weights[t, j] * y[pos[t * K_TOP + j]], fp32, one rounding."""
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
+                    GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
+    """out[t] = sum over slots j in order of topk_weights[t, j] * y[pos[t * K_TOP + j]], fp32, one rounding
+    (GATHER 0: row t * K_TOP + j; WEIGHTED 0: the rows added as they are, from 0 one addition at a time)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(K_TOP):
-        row = tl.load(pos_ptr + t * K_TOP + j).to(tl.int64)
-        acc += tl.load(w_ptr + t * K_TOP + j).to(tl.float32) * tl.load(y_ptr + row * H + cols, mask=m, other=0.0)
+        if GATHER:
+            row = tl.load(pos_ptr + t * K_TOP + j).to(tl.int64)
+        else:
+            row = (t * K_TOP + j).to(tl.int64)
+        val = tl.load(y_ptr + row * H + cols, mask=m, other=0.0)
+        if WEIGHTED:
+            acc += tl.load(w_ptr + t * K_TOP + j).to(tl.float32) * val
+        else:
+            acc += val
     tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y fp32 [P, H] (pairs in schedule order), pos int [P] (pair -> row of y), topk_weights [T, k]
-    -> [T, H] in dtype: each token's k rows times their router weights, summed in slot order."""
+def combine(y: torch.Tensor, pos: torch.Tensor | None, topk_weights: torch.Tensor, dtype: torch.dtype, *,
+            weighted: bool = True) -> torch.Tensor:
+    """y fp32 [P, H] (pairs in schedule order), pos int [P] (pair -> row of y; None: the pairs in token
+    order), topk_weights [T, k] -> [T, H] in dtype: each token's k rows times their router weights
+    (weighted False: rows that carry them already), summed in slot order, one launch."""
     t, k = topk_weights.shape
     h = y.shape[1]
     out = torch.empty((t, h), dtype=dtype, device=y.device)
     if t:
-        _combine_kernel[(t, triton.cdiv(h, 1024))](y, pos, topk_weights.contiguous(), out, h, K_TOP=k, BLOCK_H=1024,
+        _combine_kernel[(t, triton.cdiv(h, 1024))](y, y if pos is None else pos, topk_weights.contiguous(), out, h,
+                                                   K_TOP=k, BLOCK_H=1024, GATHER=pos is not None, WEIGHTED=weighted,
                                                    num_warps=4)
     return out
 
@@ -295,9 +307,9 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
                topk_ids: torch.Tensor, op_order: str, *, strict: bool = False) -> torch.Tensor:
     """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
     (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
-    router weight fused), then the k pairs of each token summed in fp32 in slot order.
-    strict: batch-invariant (`triton_strict.moe`): the launch configurations (split-K, tiles) from
-    the weight shapes and top-k alone, as for one token, never from T; the k pairs added one by one."""
+    router weight fused), then the k pairs of each token added one by one in fp32 in slot order
+    (`combine`), rounded once. strict: batch-invariant (`triton_strict.moe`): the launch configurations
+    (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -313,10 +325,4 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
                                   row_weight=topk_weights.reshape(-1).float(), op_order=op_order, config=cfg2)
-    y = y.view(t, k, h)
-    if not strict:
-        return y.sum(1).to(x.dtype)
-    out = y[:, 0]
-    for j in range(1, k):        # slot order, one addition at a time: no reduction kernel picks the order
-        out = out + y[:, j]
-    return out.to(x.dtype)
+    return combine(y, None, topk_weights, x.dtype, weighted=False)

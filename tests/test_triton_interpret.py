@@ -351,7 +351,8 @@ def check_moe_exact(op_order: str) -> None:
 def check_moe_schedule_and_combine() -> None:
     """`schedule_rows`' one-launch sort and tiling equals `moe_schedule`'s torch ops (order, tiles, the
     inverse) over expert counts that are not powers of two, unused experts, one pair and 4096 pairs;
-    `combine` equals the router-weighted slot sum of the pairs' rows within one fp32 rounding a slot."""
+    `combine` equals the router-weighted slot sum of the pairs' rows within one fp32 rounding a slot, and
+    without weights or gather, bitwise the rows added one at a time in slot order."""
     from nvfp4_sampler.kernels import triton_moe
     g = torch.Generator().manual_seed(5)
     for tokens, top_k, experts, block_m in ((1, 1, 4, 8), (3, 2, 60, 8), (64, 8, 128, 8), (40, 4, 16, 16),
@@ -376,6 +377,11 @@ def check_moe_schedule_and_combine() -> None:
         got = triton_moe.combine(y, pos, w, torch.float32)
         want = (y[pos.long()].view(tokens, top_k, h) * w.float()[..., None]).sum(1)
         assert torch.allclose(got, want, rtol=top_k * 2 ** -23, atol=1e-6), (tokens, top_k, experts)
+        rows = y.view(tokens, top_k, h)                               # rows in token order, weights applied:
+        summed = torch.zeros(tokens, h)                               # added one at a time in slot order
+        for j in range(top_k):
+            summed = summed + rows[:, j]
+        assert torch.equal(triton_moe.combine(y, None, w, torch.float32, weighted=False), summed)
 
 
 def check_weight_into(op_order: str) -> None:

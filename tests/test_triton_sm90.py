@@ -142,3 +142,15 @@ def test_schedule_kernel_compiles_without_spills(p_pad, e_pad):
                       ("ids_ptr", "order_ptr", "pos_ptr", "sched_ptr"), num_warps=8)
     assert "0 bytes spill stores" in log, log
     assert int(re.search(r"Used (\d+) registers", log).group(1)) <= 255
+
+
+@pytest.mark.parametrize("gather,weighted", [(True, True), (False, False)])
+def test_combine_kernel_compiles_without_spills(gather, weighted):
+    """`combine` as the grouped paths call it (gathered rows times router weights) and as the per-pair path
+    does (rows in token order, weights applied in w2's epilogue)."""
+    from nvfp4_sampler.kernels import triton_moe
+    sig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
+           "K_TOP": "constexpr", "BLOCK_H": "constexpr", "GATHER": "constexpr", "WEIGHTED": "constexpr"}
+    _, log = _compile(triton_moe._combine_kernel, sig, dict(K_TOP=8, BLOCK_H=1024, GATHER=gather, WEIGHTED=weighted),
+                      ("y_ptr", "pos_ptr", "w_ptr", "out_ptr", "H"), num_warps=4)
+    assert "0 bytes spill stores" in log, log
