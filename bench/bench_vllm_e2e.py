@@ -55,8 +55,8 @@ import gzip
 import json
 import os
 import statistics
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 import time

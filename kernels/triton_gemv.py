@@ -404,7 +404,6 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
     return out
 
 
-
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
                       swiglu: bool = False, row_weight: torch.Tensor | None = None, op_order: str = "vllm",
                       config: dict | None = None, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -64,14 +65,19 @@ def is_finite(tensor: torch.Tensor) -> bool:
     return flag is None or not bool(flag)
 
 
+def any_flagged(flags: Iterable[torch.Tensor]) -> bool:
+    """Whether any of the device bools is set: one host synchronisation per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return any(bool(torch.stack(fs).any()) for fs in by_device.values())
+
+
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The first name whose tensor holds a NaN or Inf, or None: one host synchronisation per device
     for all of them (a tensor at a time only once one is flagged)."""
     flags = [(name, f) for name, t in named if (f := _nonfinite(t)) is not None]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for _, f in flags:
-        by_device.setdefault(f.device, []).append(f)
-    if not any(bool(torch.stack(fs).any()) for fs in by_device.values()):
+    if not any_flagged(f for _, f in flags):
         return None
     return next(name for name, f in flags if bool(f))
 
@@ -198,11 +204,23 @@ def _full(s: slice, n: int) -> bool:
     return s.step in (None, 1) and s.start in (None, 0) and (s.stop is None or s.stop == n)
 
 
+class _Part(NamedTuple):
+    """A storage a fused entry fills exactly: per_row (its decode scales are one per row), index (row ->
+    the entry's slot, for per-row scales gathered from several slots; None: broadcast), rows and slot (the
+    entry's rows and decode-scale slot it takes; None: the whole entry)."""
+
+    storage: NVFP4Tensor
+    per_row: bool
+    index: torch.Tensor | None
+    rows: tuple[int, int] | None
+    slot: int | None
+
+
 def _fused_plan(targets: Mapping[str, Target], entry: FusedEntry):
     """(parts, checkpoint names) if `entry` fills one NVFP4 storage exactly, row for row, in its layout
     (one part: its tensors copied whole), or its slots fill one storage each (a fused qkv / gate_up whose
     engine holds the parts apart: a part per slot, its rows copied whole); None otherwise (the per-tensor
-    path). A part: (storage, per_row, row -> slot index or None, the entry's rows or None, slot or None)."""
+    path)."""
     if entry.layout != "nvfp4" or set(entry.tensors) != set(layers.KINDS):
         return None
     whole = _whole_storage(targets, entry)
@@ -260,7 +278,7 @@ def _whole_storage(targets: Mapping[str, Target], entry: FusedEntry):
         for (r0, r1), k in row_slot.items():
             index[r0:r1] = k
         index = index.to(storage.global_scale.device)
-    return storage, per_row, index, None, None
+    return _Part(storage, per_row, index, None, None)
 
 
 def _storage_per_slot(targets: Mapping[str, Target], entry: FusedEntry):
@@ -284,23 +302,22 @@ def _storage_per_slot(targets: Mapping[str, Target], entry: FusedEntry):
                 or tuple(w[slot.row0:slot.row1].shape) != tuple(storage.codes.shape)
                 or tuple(ws[slot.row0:slot.row1].shape) != tuple(storage.block_scales.shape)):
             return None
-        parts.append((storage, storage.global_scale.dim() == 1, None, (slot.row0, slot.row1), slot.slot))
+        parts.append(_Part(storage, storage.global_scale.dim() == 1, None, (slot.row0, slot.row1), slot.slot))
         rows.append((slot.row0, slot.row1))
     rows.sort()
-    if (len({id(p[0]) for p in parts}) != len(parts) or rows[0][0] != 0 or rows[-1][1] != w.shape[0]
+    if (len({id(p.storage) for p in parts}) != len(parts) or rows[0][0] != 0 or rows[-1][1] != w.shape[0]
             or any(a[1] != b[0] for a, b in zip(rows, rows[1:]))):
         return None
     return tuple(parts)
 
 
-def _part_tensors(entry: FusedEntry, rows: tuple[int, int] | None, slot: int | None) -> Mapping[str, torch.Tensor]:
+def _part_tensors(entry: FusedEntry, part: _Part) -> Mapping[str, torch.Tensor]:
     """The entry's tensors a part writes: all of them, or its rows and its decode scale."""
-    if rows is None:
+    if part.rows is None:
         return entry.tensors
-    s2 = entry.tensors["weight_scale_2"]
-    return {"weight": entry.tensors["weight"][rows[0]:rows[1]],
-            "weight_scale": entry.tensors["weight_scale"][rows[0]:rows[1]],
-            "weight_scale_2": s2 if s2.dim() == 0 else s2[slot]}
+    (r0, r1), s2 = part.rows, entry.tensors["weight_scale_2"]
+    return {"weight": entry.tensors["weight"][r0:r1], "weight_scale": entry.tensors["weight_scale"][r0:r1],
+            "weight_scale_2": s2 if s2.dim() == 0 else s2[part.slot]}
 
 
 def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict | None):
@@ -312,7 +329,7 @@ def _cached_plan(targets: Mapping[str, Target], entry: FusedEntry, cache: dict |
     key = (entry.name, entry.layout, entry.slots,
            tuple((k, t.dtype, tuple(t.shape)) for k, t in sorted(entry.tensors.items())))
     plan = cache.get(key, _UNSEEN)
-    if plan is _UNSEEN or (plan is not None and not _serving(plan[0][0][0], targets, entry)):
+    if plan is _UNSEEN or (plan is not None and not _serving(plan[0][0].storage, targets, entry)):
         plan = cache[key] = _fused_plan(targets, entry)
     return plan
 
@@ -389,8 +406,8 @@ def apply_fused(targets: Mapping[str, Target], entries: Iterable[FusedEntry], *,
     if check_only:
         return []
     if fast:
-        _write_fused([(storage, per_row, index, _part_tensors(entry, rows, slot))
-                      for entry, (parts, _) in fast for storage, per_row, index, rows, slot in parts])
+        _write_fused([(part.storage, part.per_row, part.index, _part_tensors(entry, part))
+                      for entry, (parts, _) in fast for part in parts])
     _write_checked(targets, checked, config=config)
     return sorted([*rest, *(n for _, (_, names) in fast for n in names)])
 
@@ -413,10 +430,7 @@ def _invalid_fused(entries: list[FusedEntry]) -> set[int]:
     scales = _spans([e.tensors["weight_scale"] for e in entries])
     decode = _spans([e.tensors["weight_scale_2"] for e in entries])
     flags = [e4m3_nan(s).any() for s in scales] + [~torch.isfinite(s.view(torch.float32)).all() for s in decode]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for f in flags:
-        by_device.setdefault(f.device, []).append(f)
-    if not any(bool(torch.stack(fs).any()) for fs in by_device.values()):
+    if not any_flagged(flags):
         return set()
     return {i for i, e in enumerate(entries)
             if bool(e4m3_nan(e.tensors["weight_scale"].view(torch.uint8)).any())

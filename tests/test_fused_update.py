@@ -99,7 +99,7 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
     if not fused_qkv:
         qkv = next(e for e in entries if e.name.endswith("qkv_proj.weight"))
         parts, _ = commit._fused_plan(got, qkv)
-        assert [p[3] for p in parts] == [(s.row0, s.row1) for s in qkv.slots] and len({id(p[0]) for p in parts}) == 3
+        assert [p.rows for p in parts] == [(s.row0, s.row1) for s in qkv.slots] and len({id(p.storage) for p in parts}) == 3
 
 
 @pytest.mark.parametrize("name,poison", [
