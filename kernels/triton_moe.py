@@ -201,7 +201,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     y = torch.empty((p, h), dtype=torch.float32, device=x.device)
     row_weight = topk_weights.reshape(-1).float().index_select(0, order)
     triton_gemm.launch_w4a4(a2, w2, y, schedule=tiles, row_weight=row_weight, config=cfg)
-    return y.index_select(0, pos).view(t, k, h).sum(1).to(x.dtype)
+    return combine(y, pos, topk_weights, x.dtype, weighted=False)   # w2's epilogue applied the router weights
 
 
 # up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H200 (docs/BENCHMARKS.md,
