@@ -209,7 +209,7 @@ def prepare(device: torch.device) -> tuple[bool, str]:
                     _kernel(*tiles(8 * nt, nt=nt), torch.float32, False, STAGES, index, WGMMA, cluster, persist)
     except Exception as e:  # noqa: BLE001 - a failed compile means this path is unavailable, with its reason
         return False, f"NVRTC compilation failed: {e}"
-    _tickets(index)
+    tickets(index)
     return True, reason
 
 
@@ -516,11 +516,17 @@ def persistent_ctas(row_tiles: int, others: int, resident: int) -> int:
     return -(-row_tiles // waves)
 
 
-@functools.lru_cache(maxsize=None)
-def _tickets(device_index: int) -> torch.Tensor:
-    """Zeroed int32 split-K tickets, shared by every launch on the device (the kernel leaves them 0):
-    launches must not overlap on two streams (engines run a forward on one stream)."""
-    return torch.zeros(1 << 20, dtype=torch.int32, device=torch.device("cuda", device_index))
+_TICKETS: dict[int, torch.Tensor] = {}
+
+
+def tickets(device_index: int, *, allocate: bool = True) -> torch.Tensor | None:
+    """Zeroed int32 split-K tickets [1 << 20], shared by every split-K launch on the device (these kernels'
+    and the Triton kernels' `triton_gemv._workspace`; each launch leaves them 0), allocated by `prepare` at
+    load time so that CUDA graphs capture a buffer that outlives them. Launches must not overlap on two
+    streams (engines run a forward on one stream). allocate=False: None where not yet allocated."""
+    if device_index not in _TICKETS and allocate:
+        _TICKETS[device_index] = torch.zeros(1 << 20, dtype=torch.int32, device=torch.device("cuda", device_index))
+    return _TICKETS.get(device_index)
 
 
 class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -621,8 +627,8 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         raise ValueError("the L2 prefetch reads the tiled layout's slices: prefetch needs a mma_tiled weight")
     m_tiles, row_ctas = -(-m // (8 * nt)) if schedule is None else schedule.shape[1], -(-n // (16 * rw))
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    tickets = _tickets(dev)
-    if row_ctas * m_tiles > tickets.numel() or m_tiles > 65535:       # gridDim.z's limit
+    counters = tickets(dev)
+    if row_ctas * m_tiles > counters.numel() or m_tiles > 65535:       # gridDim.z's limit
         raise ValueError(f"too many tiles: {m_tiles} token tiles x {row_ctas} row tiles")
     cluster, slices = cfg["CLUSTER"], cfg["S"]
 
@@ -637,7 +643,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     partials = torch.empty((slices, m, n), dtype=torch.float32, device=x.device) if slices > 1 and not cluster else None
     kernel = _kernel(nt, rw, out.dtype, tiled, stages, dev, wgmma, cluster, persist, prefetch, push, codes)["w4a16_mma"]
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
-            _ptr(x), _ptr(x_scales), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(tickets), _ptr(schedule), ctypes.c_int(gs_expert),
+            _ptr(x), _ptr(x_scales), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(counters), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
     ctas = row_ctas
     if persist:

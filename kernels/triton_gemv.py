@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_quant
+from . import cuda_mma, triton_quant
 from .format import NVFP4Tensor
 
 # The decode-size kernel multiplies 4-bit codes on packed FP16 units, exactly. A code nibble
@@ -308,11 +308,14 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
 
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, all
-    written before they are read) and int32 tile counters (zeroed). Allocated per launch from torch's
-    caching allocator, so a CUDA graph captures buffers that stay valid on replay (a module-level
-    buffer grown after capture would leave captured graphs pointing at freed memory)."""
+    written before they are read; from torch's caching allocator, so a CUDA graph captures buffers that
+    stay valid on replay) and n_tiles zeroed int32 tile counters: the device's tickets where the backend's
+    load-time `prepare` allocated them (`cuda_mma.tickets`: no fill kernel per launch; the last program of
+    a tile re-zeroes its counter), else a zeroed buffer of this launch (the CPU interpreter, tests)."""
+    shared = cuda_mma.tickets(device.index, allocate=False) if device.type == "cuda" else None
     return (torch.empty(n_acc, dtype=torch.float32, device=device),
-            torch.zeros(n_tiles, dtype=torch.int32, device=device))
+            shared if shared is not None and shared.numel() >= n_tiles
+            else torch.zeros(n_tiles, dtype=torch.int32, device=device))
 
 
 def _gs_strides(gs: torch.Tensor, rows_dim: int) -> tuple[int, int]:

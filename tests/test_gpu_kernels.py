@@ -412,6 +412,36 @@ def test_moe_is_bitwise_deterministic(tk, tokens):
         assert torch.equal(tk[2].moe(x, w13, w2, topk_w, topk_ids), first)
 
 
+def test_split_k_launches_count_in_the_device_tickets(tk, tv, monkeypatch):
+    """With the device's tickets allocated (`cuda_mma.tickets`, at load time), the Triton split-K launches
+    count in them instead of zero-filling a buffer each; they leave them zero and give the bits they give
+    with a buffer of their own."""
+    from nvfp4_sampler.kernels import cuda_mma
+    x = _activations(4, 4096, seed=5)
+    w = _weight(6144, 4096, seed=6, per_row=True)
+    cfg = dict(tv.gemv_config(4, 6144, 4096), SPLIT_K=8)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    xm = torch.randn(2, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(32, 768, 1024, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    w2 = reference.quantize_weight((torch.randn(32, 1024, 384, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(2, 32, device="cuda", generator=g), -1), 8)
+
+    def run():
+        out = torch.full((4, 6144), float("nan"), device="cuda")
+        tv.launch_w4a4_gemv(x, w, out, fused=False, config=cfg)
+        return out, tk[2].moe(xm, w13, w2, topk_w, topk_ids)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(cuda_mma, "_TICKETS", {})
+        own = run()
+        assert tv._workspace(x.device, 1, 8)[1] is not None and not cuda_mma._TICKETS
+    shared = cuda_mma.tickets(x.device.index)
+    assert tv._workspace(x.device, 1, 8)[1] is shared
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(run(), own))
+    assert not shared.any(), "a launch left a ticket counted"
+
+
 @pytest.mark.parametrize("m,k", [(1, 2048), (100, 4112), (4096, 7168)])
 def test_te_op_order_quantizers_are_bit_exact(tk, m, k):
     """op_order="te": per token (computed and given amax), exact-BF16 rows, per tensor and weights
