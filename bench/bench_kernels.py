@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from nvfp4_sampler.kernels import cuda_mma, reference, triton_gemm, triton_gemv, triton_moe, triton_quant
+from nvfp4_sampler.kernels import cuda_mma, dispatch, reference, triton_gemm, triton_gemv, triton_moe, triton_quant
 
 L2_ROTATE_BYTES = 256 << 20
 LINEAR_SHAPES = {          # name: (N, K)
@@ -403,8 +403,23 @@ def bf16_grouped_moe(x, w13_t, w2_t, topk_w, topk_ids):
     return y[pos].view(t, k, -1).sum(1).to(x.dtype)
 
 
+def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
+    """GPU time of each kernel `fn` launches, µs per call (the torch profiler, eager launches, mean of `repeats`
+    calls), by kernel name: where a launch sequence's time goes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key[:60]: ev.self_device_time_total / repeats for ev in prof.key_averages()
+            if ev.self_device_time_total > 0}
+
+
 def bench_moe(log, quick: bool) -> None:
     e, h, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
+    # as engines load a MoE layer: the tensor-core kernels compiled and the split-K tickets allocated
+    dispatch.BACKENDS["triton_hopper"].prepare(torch.device("cuda"), "moe")
     w13_bf = (torch.randn(e, 2 * i, h, device="cuda") * 0.02).to(torch.bfloat16)
     w2_bf = (torch.randn(e, h, i, device="cuda") * 0.02).to(torch.bfloat16)
     w13 = triton_quant.quantize_weight(w13_bf)
@@ -421,6 +436,9 @@ def bench_moe(log, quick: bool) -> None:
         row = dict(tokens=t, ours_ms=ours, path=triton_moe.moe_path(t * k, x, w13, w2))
         if t <= 64:                               # the per-pair decode path, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
+        if t <= 8:                                # where the decode paths' time goes, kernel by kernel
+            row["kernels_us"] = {path: kernel_us(lambda path=path: triton_moe.moe(x, w13, w2, *routes[0], path=path))
+                                 for path in ("pairs", "mma")}
         # the grouped Triton GEMM, the tensor-core kernels (forced); below 16 tokens the tensor-core grouped
         # launches alone: where they overtake the per-pair GEMVs (batch 1 is the MoE shape's missed e2e goal)
         for path in ("grouped", "mma", "exact") if t >= 16 else ("mma",):
@@ -622,6 +640,10 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
             if key in r:
                 print(f"  {r['tokens']:6d} tokens, {label}: "
                       + ", ".join(f"{c}: {ms * 1e3:.1f}" for c, ms in r[key].items()) + " us")
+    for r in by("moe"):
+        for path, kernels in r.get("kernels_us", {}).items():
+            print(f"  {r['tokens']:6d} tokens, {path} by kernel (profiler, eager): "
+                  + ", ".join(f"{name}: {us:.1f}" for name, us in kernels.items()) + " us")
     for r in by("error"):
         print(f"\nERROR in {r['section']}: {r['error'][-600:]}")
     print("\nmemory (packed + scales) / BF16")

@@ -33,7 +33,8 @@ ACT = dict(kind="act_quant", m=16384, k=4096, bytes=1, ours_ms=0.0713, tuned_ms=
 MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, grouped_ms=0.4601, mma_ms=0.3077,
            exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, mma_wgmma_ms={"NT 1": 0.21},
            mma_cluster_ms={"NT 1": 0.25}, mma_global_ms={"NT 1": 0.27}, mma_push_ms={"NT 1": 0.24},
-           mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4})
+           mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4},
+           kernels_us={"pairs": {"_w4a4_gemv_kernel": 25.5, "_combine_kernel": 2.25}})
 
 
 def test_tables_print_every_column_and_candidate():
@@ -56,6 +57,7 @@ def test_tables_print_every_column_and_candidate():
     assert "64 tokens, mma, warpgroup-MMA variant: NT 1: 210.0 us" in text
     assert "64 tokens, mma by split-K slice (chunks): 4: 307.7, 8: 290.0, 16: nan us" in text
     assert "64 tokens, exact, codes decoded in the GEMM, by expert tile: 16-row: 400.0 us" in text
+    assert "64 tokens, pairs by kernel (profiler, eager): _w4a4_gemv_kernel: 25.5, _combine_kernel: 2.2 us" in text
     forms = next(x for x in lines if x.strip().startswith("8B gate_up") and "M=16: default" in x)
     assert "on exact rows (X_CODES=0): linear 30.2 us (1.64x cuBLAS); activation codes: kernel 28.1 us" in text
     assert ("default 30.1, *wgmma 22.1, push 25.1, pulled 26.2, codes 28.1, persist s2 29.0, persist s8 nan, prefetch 29.5, persist+prefetch 28.0, "
