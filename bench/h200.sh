@@ -35,6 +35,10 @@ step() {   # step NAME: its timeout (s) and command
     case $1 in
     kernels)   limit=260; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py tests/test_diagnostics_operators.py" ;;
+    # the Triton split-K launches (GEMV, MoE) alone, with and without the device's tickets
+    split_k)   limit=200; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_kernels.py::test_split_k_launches_count_in_the_device_tickets
+                              tests/test_gpu_kernels.py::test_gemv_matches_reference tests/test_gpu_kernels.py::test_moe_matches_reference
+                              tests/test_gpu_kernels.py::test_moe_is_bitwise_deterministic" ;;
     # 300 s: on a fresh machine NVRTC compiles every variant first (H200, fourteenth session: 142 tests passed,
     # then the 150 s limit cut the summary)
     mma)       limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
