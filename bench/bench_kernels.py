@@ -468,7 +468,7 @@ def bench_moe(log, quick: bool) -> None:
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
         if t >= 1024:                             # the exact path's tile order and tiles (every order: the same
-            default = triton_moe.exact_config(t * k)  # bits): column tile major re-reads the activations per column
+            default = triton_moe.exact_config(t * k, e)  # bits): column tile major re-reads the activations per column
             row["exact_order_ms"] = {                 # tile; GROUP_M row tiles of one expert share its weights in L2
                 "G{GROUP_M} {BLOCK_M}x{BLOCK_N}".format(**c): tried_ms(lambda c=c: [triton_moe._moe_tiled(
                     x, w13, w2, tw, ti, "vllm", gemm="exact", config=dict(default, **c)) for tw, ti in routes]) / n_routes

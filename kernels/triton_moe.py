@@ -187,7 +187,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order,
                           nt=cuda_mma.GROUPED_NT_WIDE if p >= MMA_WIDE_PAIRS else cuda_mma.GROUPED_NT)
     if path == "exact":
-        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact", config=exact_config(p))
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact", config=exact_config(p, e))
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
@@ -204,11 +204,11 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     return combine(y, pos, topk_weights, x.dtype, weighted=False)   # w2's epilogue applied the router weights
 
 
-# up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H200 (docs/BENCHMARKS.md,
-# 2026-12-05, 30B-A3B layer, top-8): pairs 31 us at 8 pairs; at 128 pairs pairs 169 us, the six-launch `cuda_mma`
-# path 137 (123 with 8-chunk slices); the crossover between 8 and 128 pairs is not measured: 64 splits it.
-# NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma engine: 0, the tensor-core path from 1 token)
-PAIRED_MAX_PAIRS = cuda_mma.env_count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 64)
+# up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H100 (docs/BENCHMARKS.md,
+# twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
+# 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1. NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma
+# engine: 0, the tensor-core path from 1 token)
+PAIRED_MAX_PAIRS = cuda_mma.env_count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32)
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
@@ -217,10 +217,18 @@ EXACT_CODES_MAX_PAIRS = 8192  # beyond MMA_MAX_PAIRS the default is "exact": the
                       # / grouped / BF16 grouped: 1024 tokens 778 / 1362 / 1277 / 728, 8192: 3752 / 3315 / 7470 / 2848)
 
 
-def exact_config(pairs: int) -> dict:
-    """The "exact" path's GEMM configuration for T * k = `pairs`: the codes decoded in the GEMM up to
-    EXACT_CODES_MAX_PAIRS, the experts dequantized to FP16 for the call beyond."""
-    return dict(triton_gemm.EXACT_GROUPED, W_CODES=pairs <= EXACT_CODES_MAX_PAIRS)
+EXACT_TALL_ROWS = 256   # from this many rows an expert on average, the exact path's tiles hold 128 rows (H100,
+                       # twenty-first session, us, 64- / 128-row tiles, GROUP_M 4: 1024 tokens (64 rows an expert)
+                       # 801 / 891; 8192 (512 rows) 3165 / 2957, BF16 grouped 3193)
+
+
+def exact_config(pairs: int, experts: int) -> dict:
+    """The "exact" path's GEMM configuration for T * k = `pairs` over `experts`: the codes decoded in the GEMM up
+    to EXACT_CODES_MAX_PAIRS, the experts dequantized to FP16 for the call beyond; 128-row tiles from
+    EXACT_TALL_ROWS rows an expert on average; 4 row tiles per column sweep (GROUP_M: they share their weight
+    tile in L2; the same bits in any order; column-major, GROUP_M 0, 809 / 3747 us at 1024 / 8192 tokens)."""
+    return dict(triton_gemm.EXACT_GROUPED, W_CODES=pairs <= EXACT_CODES_MAX_PAIRS, GROUP_M=4,
+                BLOCK_M=128 if pairs >= EXACT_TALL_ROWS * experts else 64)
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:

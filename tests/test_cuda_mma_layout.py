@@ -490,7 +490,7 @@ def test_the_moe_pairs_switch_is_read_once_and_checked():
     import sys
     code = ("import torch; from nvfp4_sampler.kernels import reference, triton_moe as tm; "
             "x = torch.zeros(1, 256, dtype=torch.bfloat16); w = reference.quantize_weight(torch.randn(4, 256, 256)); "
-            "print([tm.moe_path(p, x, w, w) for p in (1, 8, 64, 65)])")
+            "print([tm.moe_path(p, x, w, w) for p in (1, 8, 32, 33)])")
     for value, want in ((None, ["pairs"] * 3 + ["grouped"]), ("0", ["grouped"] * 4), ("8", ["pairs"] * 2 + ["grouped"] * 2)):
         env = {k: v for k, v in os.environ.items() if k != "NVFP4_SAMPLER_PAIRED_MAX_PAIRS"}
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -346,6 +346,12 @@ def check_moe_exact(op_order: str) -> None:
     small = dict(triton_gemm.EXACT_GROUPED, BLOCK_M=16, BLOCK_N=64, W_CODES=True)   # 16-row tiles, codes decoded
     got16 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=small)
     assert ((got16.float() - grouped).norm() / grouped.norm()).item() < 1e-2
+    tall_pairs = triton_moe.EXACT_TALL_ROWS * experts                  # the default's 128-row tiles, GROUP_M 4
+    assert triton_moe.exact_config(tall_pairs - 1, experts)["BLOCK_M"] == 64
+    tall = triton_moe.exact_config(tall_pairs, experts)
+    assert (tall["BLOCK_M"], tall["GROUP_M"]) == (128, 4)
+    got128 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=tall)
+    assert ((got128.float() - grouped).norm() / grouped.norm()).item() < 1e-2
 
 
 def check_moe_schedule_and_combine() -> None:
