@@ -73,13 +73,25 @@ def any_flagged(flags: Iterable[torch.Tensor]) -> bool:
     return any(bool(torch.stack(fs).any()) for fs in by_device.values())
 
 
+JOINED_MAX_NUMEL = 1 << 22    # float tensors up to this size are checked joined, per device and dtype
+
+
 def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The first name whose tensor holds a NaN or Inf, or None: one host synchronisation per device
-    for all of them (a tensor at a time only once one is flagged)."""
-    flags = [(name, f) for name, t in named if (f := _nonfinite(t)) is not None]
-    if not any_flagged(f for _, f in flags):
+    """The first name whose float tensor holds a NaN or Inf, or None: one host synchronisation per device
+    for all of them, the small ones (norms, routers: hundreds a model) joined into one tensor per device and
+    dtype so that they take a few launches, not a few each; a tensor at a time only once one is flagged."""
+    named = [(name, t) for name, t in named if t.is_floating_point()]
+    joined: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    flags = []
+    for _, t in named:
+        if t.numel() > JOINED_MAX_NUMEL:
+            flags.append(_nonfinite(t))
+        else:                                  # as bytes: cat need not support the dtype (float8)
+            joined.setdefault((t.device, t.dtype), []).append(t.reshape(-1).view(torch.uint8))
+    flags += [_nonfinite(torch.cat(parts).view(dtype)) for (_, dtype), parts in joined.items()]
+    if not any_flagged(flags):
         return None
-    return next(name for name, f in flags if bool(f))
+    return next((name for name, t in named if bool(_nonfinite(t))), None)
 
 
 def apply_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Tensor], *,
@@ -130,8 +142,10 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
 
 def _write_checked(targets: Mapping[str, Target], checked, *, config: SamplerConfig) -> None:
     plain, groups = checked
-    for param, tensor in plain:
-        param.copy_(tensor)
+    # one batched copy; a parameter named twice (tied embeddings) written once, by its last name as before
+    last = {(param.data_ptr(), param.dtype, tuple(param.shape), param.stride()): (param, tensor) for param, tensor in plain}
+    if last:
+        torch._foreach_copy_([param for param, _ in last.values()], [tensor for _, tensor in last.values()])
     for prefix, group in groups.items():
         for kind, tensor in group.items():
             layers.write(targets[prefix].weight, targets[prefix].shard, kind, tensor, config=config)

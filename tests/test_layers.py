@@ -139,6 +139,31 @@ def test_apply_update_is_all_or_nothing():
     assert torch.equal(layers.read(w, shards["a"])["weight"], before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn])
+@pytest.mark.parametrize("where", ["small", "large"])
+def test_first_nonfinite_names_the_tensor_among_many(dtype, where):
+    """Small float tensors are checked joined per dtype (a few launches for hundreds), large ones alone:
+    the bad one is named wherever it is, in every float dtype (float8 too); integer tensors are not values."""
+    bad = float("nan") if dtype == torch.float8_e4m3fn else float("inf")
+    named = [(f"n{i}", torch.ones(7 + i, dtype=torch.float32).to(dtype)) for i in range(200)]
+    named += [("big", torch.zeros(commit.JOINED_MAX_NUMEL + 1, dtype=dtype)), ("ids", torch.arange(5)),
+              ("other", torch.ones(3, dtype=torch.float64))]
+    assert commit.first_nonfinite(named) is None
+    name = "n137" if where == "small" else "big"
+    dict(named)[name][-1] = bad
+    assert commit.first_nonfinite(named) == name
+
+
+def test_tied_parameters_take_the_last_named_value():
+    """Two names of one parameter (tied embeddings) in one update: written once, by the last name in
+    sorted order, as one copy after another did."""
+    tied = torch.zeros(4, 8)
+    targets = {"lm_head.weight": commit.Target(param=tied), "model.embed_tokens.weight": commit.Target(param=tied)}
+    commit.apply_update(targets, {"lm_head.weight": torch.full((4, 8), 1.0),
+                                  "model.embed_tokens.weight": torch.full((4, 8), 2.0)}, config=CFG)
+    assert bool((tied == 2.0).all())
+
+
 def test_quantize_model_swaps_linears_by_policy():
     model = torch.nn.Sequential()
     model.add_module("proj", torch.nn.Linear(64, 32, bias=True))
