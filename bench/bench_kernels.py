@@ -428,7 +428,7 @@ def bench_moe(log, quick: bool) -> None:
     log("memory", dict(shape="30B-A3B MoE layer", bf16_bytes=bf_bytes, nvfp4_bytes=w13.nbytes + w2.nbytes,
                        ratio=(w13.nbytes + w2.nbytes) / bf_bytes))
     w13_t, w2_t = w13_bf.transpose(1, 2), w2_bf.transpose(1, 2)
-    for t in ((1, 4, 8, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192)):
+    for t in ((1, 4, 6, 8, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 2, 4, 6, 8, 16, 32, 64, 128, 256, 1024, 8192)):
         n_routes = 16 if t <= 64 else 1
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         routes = [torch.topk(torch.softmax(torch.randn(t, e, device="cuda"), -1), k) for _ in range(n_routes)]
