@@ -345,6 +345,8 @@ def run_planned(args, results: dict) -> None:
         print(f"plan, {size >> 20} MiB buckets: {counts[size >> 20]}", flush=True)
     results["planned-counts"] = counts
     env = {"NVFP4_SAMPLER_DEVICE": args.device} if args.device.startswith("cuda") else {}
+    if args.profile_commits:                                # every commit of this sidecar under the profiler
+        env["NVFP4_SAMPLER_PROFILE_COMMITS"] = str(Path(args.profile_commits).resolve())
     rows = {}
     t0 = time.perf_counter()
     phase = lambda what: print(f"[{time.perf_counter() - t0:7.1f} s] {what}", flush=True)  # noqa: E731
@@ -385,6 +387,12 @@ def run_planned(args, results: dict) -> None:
         k = results["planned-kernels"]
         print(f"trainer CUDA kernels per update (quantize + amax + dense copies + flags): {k['launches']} launches, "
               f"{k['gpu_s']:.3f} GPU s; largest: {k['top']}")
+    if args.profile_commits:
+        tables = sorted(Path(args.profile_commits).glob("commit-*.txt"), key=lambda f: int(f.stem.split("-")[1]))
+        print(f"\nthe commits ran under the profiler (their times above include it and a final synchronize); "
+              f"the last commit's operators and kernels ({tables[-1] if tables else 'none written'}):")
+        if tables:
+            print(tables[-1].read_text())
     entries = ", ".join(f"{c['planned_entries']} entries at {mib} MiB" for mib, c in counts.items())
     print(f"goal: whole 30B-A3B (x48) <= 0.5 s including conversion, commit <= 50 ms, <= 600 entries "
           f"(these plans: {entries} for {args.layers} layers)")
@@ -406,6 +414,8 @@ def main() -> int:
     ap.add_argument("--bucket-mib", default="512", help="planned: plan bucket sizes in MiB, comma-separated")
     ap.add_argument("--buffers", type=int, default=2, help="planned: reused send buffers (2: double-buffered)")
     ap.add_argument("--profile", action="store_true", help="planned: count the trainer's CUDA kernel launches")
+    ap.add_argument("--profile-commits", default=None,
+                    help="planned: a folder where the sidecar writes each commit's profiler table (printed: the last)")
     ap.add_argument("--distinct-layers", type=int, default=None,
                     help="planned: trainer layers with storage of their own, the others alias them (default: all; "
                          "12 fits the whole model's update on an 80 GB GPU)")

@@ -29,6 +29,8 @@ class Settings:
     device: where the embedded engine runs ("auto": cuda when available, else cpu).
     strict: start the vLLM engine in strict mode (`quantization_config.strict`, batch-invariant NVFP4
     kernels; on CUDA with VLLM_BATCH_INVARIANT=1); engine "vllm" only.
+    profile_commits: a folder where the embedded engine writes each commit's torch-profiler table (operators
+    and kernels by time, `commit-<version>.txt`): where a commit's time goes (bench_sync --profile sets it).
     """
 
     model: str | None = None
@@ -46,6 +48,7 @@ class Settings:
     vllm_args: tuple[str, ...] = ()
     device: str = "auto"
     strict: bool = False
+    profile_commits: Path | None = None
 
     def __post_init__(self):
         if self.device == "auto":
@@ -74,8 +77,9 @@ class Settings:
             if raw is not None and f.name != "vllm_args":
                 values[f.name] = _coerce(f.type, raw)
         values.update({k: v for k, v in flags.items() if v is not None})
-        if "staging_dir" in values:
-            values["staging_dir"] = Path(values["staging_dir"])
+        for name in ("staging_dir", "profile_commits"):
+            if values.get(name) is not None:
+                values[name] = Path(values[name])
         return cls(**values)
 
 

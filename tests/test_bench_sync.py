@@ -1,6 +1,10 @@
 """bench/bench_sync.py's planned mode, the parts that need no GPU: the manifest and plan of the
-Qwen3-30B-A3B shape, and the timing table."""
+Qwen3-30B-A3B shape, the timing table, and a small planned run on the CPU whose sidecar profiles its commits."""
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 from bench import bench_sync as bs
 from nvfp4_sampler.server.plan import TransferPlan
@@ -22,3 +26,17 @@ def test_timing_table():
     assert "| sidecar s | sidecar_queue s | sidecar_open s | sidecar_copy s | sidecar_status s |" in lines[0]
     assert lines[2].endswith("| 24.00 | 12 | 1 | 1 + 2 |") and "not available: OOM" in lines[3]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_planned_run_profiles_the_sidecars_commits(tmp_path):
+    """`--profile-commits DIR`: the sidecar (embedded engine, through NVFP4_SAMPLER_PROFILE_COMMITS) writes each
+    commit's profiler table there, one per committed version, and the bench prints the last one."""
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "bench/bench_sync.py", "--quick", "--paths", "planned",
+                          "--profile-commits", str(tmp_path / "commits")], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    tables = sorted((tmp_path / "commits").glob("commit-*.txt"))
+    assert [t.name for t in tables] == ["commit-1.txt", "commit-2.txt"]     # the first update and one repeat
+    assert "aten::_foreach_copy_" in tables[-1].read_text()
+    assert "the last commit's operators and kernels" in res.stdout and "aten::_foreach_copy_" in res.stdout

@@ -10,6 +10,6 @@ def make_engine(settings: Settings) -> Engine:
     if settings.engine == "embedded":
         from .embedded import EmbeddedEngine
         return EmbeddedEngine(settings.model, max_batch_tokens=settings.logprob_max_batch_tokens,
-                              device=settings.device)
+                              device=settings.device, profile_commits=settings.profile_commits)
     from .vllm import VLLMEngine
     return VLLMEngine(settings)

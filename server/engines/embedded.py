@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -78,9 +79,12 @@ class _Stop:
 class EmbeddedEngine(Engine):
     kind = "embedded"
 
-    def __init__(self, model_dir: str | Path, *, max_batch_tokens: int = 16384, device: str = "cpu"):
-        """device: where the model runs ("cuda" uses the Triton kernels; IPC buckets stay on it)."""
+    def __init__(self, model_dir: str | Path, *, max_batch_tokens: int = 16384, device: str = "cpu",
+                 profile_commits: Path | None = None):
+        """device: where the model runs ("cuda" uses the Triton kernels; IPC buckets stay on it).
+        profile_commits: a folder for each commit's torch-profiler table (`Settings.profile_commits`)."""
         self.device = torch.device(device)
+        self.profile_commits = profile_commits
         self.model_dir = Path(model_dir)
         self.model_id = str(self.model_dir)
         self.max_batch_tokens = max_batch_tokens
@@ -142,7 +146,8 @@ class EmbeddedEngine(Engine):
 
     def _apply(self, tensors: dict[str, torch.Tensor], version: int) -> dict:
         t0 = time.perf_counter()
-        n = self._write(tensors)
+        with self._profiled(version):
+            n = self._write(tensors)
         self._version = version
         return {"tensors": n, "seconds": time.perf_counter() - t0}
 
@@ -152,12 +157,30 @@ class EmbeddedEngine(Engine):
     def _apply_fused(self, entries: list[commit.FusedEntry], version: int) -> dict:
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._profiled(version):
                 n = len(commit.apply_fused(self.targets, entries, config=self.config, cache=self._fused_plans))
         except ValueError as e:
             raise EngineError(str(e), status=422) from e
         self._version = version
         return {"tensors": n, "entries": len(entries), "seconds": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def _profiled(self, version: int):
+        """A commit under the torch profiler where `profile_commits` is set (its GPU work waited for, so the
+        table holds all of it): the operators and kernels by time to `commit-<version>.txt` there."""
+        if self.profile_commits is None:
+            yield
+            return
+        cuda = self.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=40)
+        self.profile_commits.mkdir(parents=True, exist_ok=True)
+        (self.profile_commits / f"commit-{version}.txt").write_text(table)
 
     def _write(self, tensors: dict[str, torch.Tensor]) -> int:
         """Validate every checkpoint-named tensor, then write them all (commit.apply_update)."""
