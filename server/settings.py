@@ -30,7 +30,8 @@ class Settings:
     strict: start the vLLM engine in strict mode (`quantization_config.strict`, batch-invariant NVFP4
     kernels; on CUDA with VLLM_BATCH_INVARIANT=1); engine "vllm" only.
     profile_commits: a folder where the embedded engine writes each commit's torch-profiler table (operators
-    and kernels by time, `commit-<version>.txt`): where a commit's time goes (bench_sync --profile sets it).
+    and kernels by time, `commit-<version>.txt`): where a commit's time goes (`bench_sync.py --profile-commits`
+    sets it).
     """
 
     model: str | None = None
