@@ -66,6 +66,9 @@ SMALL_SWEEP = [(g, r, c) for g in (False, True) for r in (4, 8, 16) for c in (4,
 EXACT_SMALL_SWEEP = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=w)   # the exact GEMM at M = 16-64
                      for bn, bk, st, w in ((64, 128, 4, 4), (64, 256, 4, 4), (64, 64, 6, 4), (128, 128, 3, 8),
                                            (64, 128, 4, 8))]
+PAIRS_SWEEP = [dict(block_n=bn, block_b=bb, num_warps=w, min_programs=mp)   # the MoE per-pair GEMVs at 1-4 tokens
+               for bn, bb, w, mp in ((64, 8, 4, 528), (32, 8, 4, 528), (128, 8, 8, 528), (64, 16, 8, 528),
+                                     (64, 8, 4, 264), (64, 8, 4, 1056), (64, 8, 8, 1056), (32, 8, 4, 1056))]
 EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g, BLOCK_M=bm, BLOCK_N=bn)   # the exact MoE GEMM at >= 1024 tokens: row
@@ -436,6 +439,10 @@ def bench_moe(log, quick: bool) -> None:
         row = dict(tokens=t, ours_ms=ours, path=triton_moe.moe_path(t * k, x, w13, w2))
         if t <= 64:                               # the per-pair decode path, whichever the threshold picks
             row["pairs_ms"] = graph_ms(lambda: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm") for tw, ti in routes]) / n_routes
+        if t in (1, 4):                           # its GEMV launches' tiles, warps and split-K target (bits may differ:
+            row["pairs_config_ms"] = {            # split-K changes the order of the K sum)
+                json.dumps(c): tried_ms(lambda c=c: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm", config=c)
+                                                     for tw, ti in routes]) / n_routes for c in PAIRS_SWEEP}
         if t <= 8:                                # where the decode paths' time goes, kernel by kernel
             row["kernels_us"] = {path: kernel_us(lambda path=path: triton_moe.moe(x, w13, w2, *routes[0], path=path))
                                  for path in ("pairs", "mma")}
@@ -631,6 +638,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     for key, label in (("mma_wgmma_ms", "mma, warpgroup-MMA variant"), ("mma_cluster_ms", "mma, split-K through clusters"),
                        ("mma_global_ms", "mma, split-K through global planes"),
                        ("mma_push_ms", "mma, split-K pushed to the owners"),
+                       ("pairs_config_ms", "pairs by GEMV launch configuration"),
                        ("mma_cps_ms", "mma by split-K slice (chunks)"),
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile"),

@@ -312,19 +312,22 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
 
 
 def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, op_order: str, *, strict: bool = False) -> torch.Tensor:
+               topk_ids: torch.Tensor, op_order: str, *, strict: bool = False, config: dict | None = None
+               ) -> torch.Tensor:
     """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
     (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
     router weight fused), then the k pairs of each token added one by one in fp32 in slot order
     (`combine`), rounded once. strict: batch-invariant (`triton_strict.moe`): the launch configurations
-    (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T."""
+    (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
+    config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
+    num_warps, min_programs)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
-    cfg13 = cfg2 = None
-    if strict:
-        cfg13 = triton_gemv.gemv_config(1, inter * k, h, block_b=8)
-        cfg2 = triton_gemv.gemv_config(1, h * k, inter, block_b=8)
+    pairs = (1 if strict else t) * k               # programs counted over all pairs (one token's in strict)
+    over = {"block_b": 8, **(config or {})}        # 8 blocks a step: the SwiGLU variant at ~170 registers (sm_90)
+    cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
+    cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **over)
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
