@@ -6,7 +6,7 @@ checkpoint). Each engine runs as users run vLLM: engine core in its own process,
 vLLM defaults it (both recorded in the JSON). Each measures, per batch size B, decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) where t(n) is the wall time of `generate` for B prompts of PROMPT_LEN tokens
 and n new tokens (greedy, ignore_eos): subtracting the one-token run removes prefill and scheduling
-start-up (t(1): the median of REPEATS runs); the median of REPEATS long runs is reported with its range, and
+start-up (t(1): the fastest of REPEATS runs); the median of REPEATS long runs is reported with its range, and
 every run's seconds in run order are kept in the JSON ("seconds"). Then a per-step breakdown at the
 PROFILED batches through vLLM's own torch profiler (`profiler_config`, `llm.start_profile` / `stop_profile`; it runs in
 the engine core's process and writes a chrome trace there): GPU time by kernel category (ours,
@@ -170,10 +170,12 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
 
     for b in BATCHES:
         run(b, 8)                                                   # warm-up (JIT, allocator)
-        # the prefill + first token, subtracted from each long run: its median, so that one slow short run
-        # cannot turn a rate negative or huge (a spread of -1290..7066 tokens/s at batch 16 before)
+        # the prefill + first token, subtracted from each long run: its fastest, so that slow short runs cannot
+        # turn a rate negative or huge (the median still did when 3 of 5 stalled: the nvfp4 engine at batch 64,
+        # twenty-second session, 0.755 / 0.725 / 0.068 / 2.333 / 0.091 s against long runs of 0.62 s); a
+        # stall inside a long run shows as its spread
         firsts = [run(b, 1) for _ in range(REPEATS)]
-        first = statistics.median(firsts)
+        first = min(firsts)
         longs = [run(b, NEW_TOKENS) for _ in range(REPEATS)]
         result["seconds"][b] = {"first": firsts, "long": longs}        # in run order: drifts and outliers
         rates = sorted(b * (NEW_TOKENS - 1) / (t - first) for t in longs)

@@ -408,23 +408,23 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
-                      swiglu: bool = False, row_weight: torch.Tensor | None = None, op_order: str = "vllm",
-                      config: dict | None = None, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
+                      config: dict, swiglu: bool = False, row_weight: torch.Tensor | None = None,
+                      op_order: str = "vllm", use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
     launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
 
     x [T, K] float (unit column stride); out [P, N], P = T * topk; pair_expert int32 [P].
     swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
     multiplies each output row (the router weight). op_order: the per-token quantizer's ("vllm" or
-    "te"). Split-K partial sums are added in a fixed order."""
+    "te"). config: `gemv_config`'s, programs counted over all pairs (`triton_moe._moe_pairs` picks it).
+    Split-K partial sums are added in a fixed order."""
     p, n = out.shape
     e, w_rows, k = w.shape
     if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
         raise ValueError(f"x must be [P / topk, {k}] with unit column stride, got {tuple(x.shape)} for P={p}, topk={topk}")
     if w_rows != (2 * n if swiglu else n) or not w.codes.is_contiguous():
         raise ValueError(f"w must be contiguous [E, {2 * n if swiglu else n}, K], got {tuple(w.shape)}")
-    # programs counted over all pairs; 8 blocks per step keep the SwiGLU variant at ~170 registers (sm_90)
-    cfg = dict(config or gemv_config(1, n * p, k, block_b=8))
+    cfg = dict(config)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     ws = cnt = None
     if cfg["SPLIT_K"] > 1:

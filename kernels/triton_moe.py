@@ -204,9 +204,13 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     return combine(y, pos, topk_weights, x.dtype, weighted=False)   # w2's epilogue applied the router weights
 
 
+# The per-pair GEMV launches: 8 blocks a step (the SwiGLU variant at ~170 registers, sm_90) and split-K until
+# about this many programs. H100 (docs/BENCHMARKS.md, twenty-second session, 30B-A3B layer, top-8, us at 1 / 4
+# tokens): 264 programs 24.9 / 55.7, the dense GEMV's 528 27.9 / 57.7, 1056 28.2 / 66.8.
+PAIRS_MIN_PROGRAMS = 264
 # up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H100 (docs/BENCHMARKS.md,
 # twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
-# 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1. NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma
+# 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1; twenty-second: 48 pairs 85.5 / 77.1. NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma
 # engine: 0, the tensor-core path from 1 token)
 PAIRED_MAX_PAIRS = cuda_mma.env_count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32)
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
@@ -325,7 +329,7 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     pairs = (1 if strict else t) * k               # programs counted over all pairs (one token's in strict)
-    over = {"block_b": 8, **(config or {})}        # 8 blocks a step: the SwiGLU variant at ~170 registers (sm_90)
+    over = {"block_b": 8, "min_programs": PAIRS_MIN_PROGRAMS, **(config or {})}
     cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
     cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **over)
     pair_expert = topk_ids.reshape(-1).to(torch.int32)

@@ -140,12 +140,28 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
     return plain, groups
 
 
+# From this size a tensor is written by a copy of its own (a device memcpy): `_foreach_copy_`'s kernel moved
+# a whole-model commit's 16.8 GB at ~1.6 TB/s (read + written) where one copy_ moves ~3.0 (H100, twenty-second
+# session, docs/BENCHMARKS.md); smaller tensors share its launches.
+LARGE_COPY_BYTES = 4 << 20
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i: tensors of LARGE_COPY_BYTES or more one copy each, the rest
+    one `torch._foreach_copy_` (per dtype and device, as it groups them)."""
+    small = [(d, s) for d, s in zip(dst, src, strict=True) if d.numel() * d.element_size() < LARGE_COPY_BYTES]
+    for d, s in zip(dst, src):
+        if d.numel() * d.element_size() >= LARGE_COPY_BYTES:
+            d.copy_(s)
+    if small:
+        torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
+
+
 def _write_checked(targets: Mapping[str, Target], checked, *, config: SamplerConfig) -> None:
     plain, groups = checked
     # one batched copy; a parameter named twice (tied embeddings) written once, by its last name as before
     last = {(param.data_ptr(), param.dtype, tuple(param.shape), param.stride()): (param, tensor) for param, tensor in plain}
-    if last:
-        torch._foreach_copy_([param for param, _ in last.values()], [tensor for _, tensor in last.values()])
+    copy_all([param for param, _ in last.values()], [tensor for _, tensor in last.values()])
     for prefix, group in groups.items():
         for kind, tensor in group.items():
             layers.write(targets[prefix].weight, targets[prefix].shard, kind, tensor, config=config)
@@ -367,13 +383,12 @@ def _serving(storage: NVFP4Tensor, targets: Mapping[str, Target], entry: FusedEn
 
 
 def _write_fused(writes: list[tuple[NVFP4Tensor, bool, torch.Tensor | None, Mapping[str, torch.Tensor]]]) -> None:
-    """All fused writes: codes and block scales (tiled first for a "mma_tiled" storage) as one
-    `torch._foreach_copy_` per dtype; decode scales broadcast into their storage by one more, or gathered
+    """All fused writes: codes and block scales (tiled first for a "mma_tiled" storage) by `copy_all`
+    per dtype; decode scales broadcast into their storage by one more, or gathered
     per row (a storage whose rows take their parts' scales) one op per entry."""
-    torch._foreach_copy_([s.codes for s, _, _, _ in writes],
-                         [layers.as_stored(s, "weight", t["weight"]) for s, _, _, t in writes])
-    torch._foreach_copy_([s.block_scales for s, _, _, _ in writes],
-                         [layers.as_stored(s, "weight_scale", t["weight_scale"]) for s, _, _, t in writes])
+    copy_all([s.codes for s, _, _, _ in writes], [layers.as_stored(s, "weight", t["weight"]) for s, _, _, t in writes])
+    copy_all([s.block_scales for s, _, _, _ in writes],
+             [layers.as_stored(s, "weight_scale", t["weight_scale"]) for s, _, _, t in writes])
     dst, src = [], []
     for storage, per_row, index, tensors in writes:
         s2, gs = tensors["weight_scale_2"].to(storage.global_scale.device), storage.global_scale

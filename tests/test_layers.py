@@ -164,6 +164,19 @@ def test_tied_parameters_take_the_last_named_value():
     assert bool((tied == 2.0).all())
 
 
+def test_copy_all_writes_large_and_small_tensors():
+    """Tensors from LARGE_COPY_BYTES up are copied one by one, the rest batched: every one is written, a
+    strided source included, in each dtype."""
+    big = commit.LARGE_COPY_BYTES
+    dst = [torch.zeros(big, dtype=torch.uint8), torch.zeros(big // 2, 2, dtype=torch.uint8)[:, :1],
+           torch.zeros(5, dtype=torch.uint8), torch.zeros(big // 4 + 1, dtype=torch.float32), torch.zeros(3)]
+    src = [torch.randint(0, 255, d.shape, dtype=torch.uint8) if d.dtype == torch.uint8 else torch.randn(d.shape)
+           for d in dst]
+    src[1] = torch.randint(0, 255, (big // 2, 3), dtype=torch.uint8)[:, 1:2]
+    commit.copy_all(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
 def test_quantize_model_swaps_linears_by_policy():
     model = torch.nn.Sequential()
     model.add_module("proj", torch.nn.Linear(64, 32, bias=True))
