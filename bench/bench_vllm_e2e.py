@@ -54,6 +54,7 @@ import bisect
 import gzip
 import json
 import os
+import re
 import statistics
 import shutil
 import subprocess
@@ -157,7 +158,7 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
     llm = LLM(model, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 16, max_num_seqs=max(BATCHES), gpu_memory_utilization=0.6,
               attention_backend="TRITON_ATTN", enable_prefix_caching=False, seed=0,
-              profiler_config=profiler_config(trace_dir), **strict, **engine_mode)
+              profiler_config=profiler_config(trace_dir), jit_monitor_verbose=True, **strict, **engine_mode)
     result = {"start_seconds": round(time.time() - t0, 1), "vllm": vllm.__version__,
               "engine_core": "separate process", "async_scheduling": async_scheduling(llm),
               "tokens_per_s": {}, "spread": {}, "seconds": {}, "profiles": {}}
@@ -169,7 +170,9 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
         return time.perf_counter() - t
 
     for b in BATCHES:
+        print(f"{PHASE} batch {b} warm-up", flush=True)
         run(b, 8)                                                   # warm-up (JIT, allocator)
+        print(f"{PHASE} batch {b} timed", flush=True)
         # the prefill + first token, subtracted from each long run: its fastest, so that slow short runs cannot
         # turn a rate negative or huge (the median still did when 3 of 5 stalled: the nvfp4 engine at batch 64,
         # twenty-second session, 0.755 / 0.725 / 0.068 / 2.333 / 0.091 s against long runs of 0.62 s); a
@@ -182,6 +185,7 @@ def worker(model: str, quant: str, mode: str, out: str, profiled: str) -> None:
         result["tokens_per_s"][b] = rates[REPEATS // 2]
         result["spread"][b] = [rates[0], rates[-1]]
         Path(out).write_text(json.dumps(result))
+    print(f"{PHASE} profiles", flush=True)
     for b in map(int, profiled.split(",")):
         result["profiles"][b] = profile_decode(llm, run, b, trace_dir)
         result["profiles"][b]["wall_us_per_step_unprofiled"] = b / result["tokens_per_s"][b] * 1e6
@@ -332,6 +336,23 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
             "decode_steps": steps_long}
 
 
+PHASE = "bench phase:"          # the worker's markers in its log, between the engine's own lines
+JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)[.(\s]")
+
+
+def jit_compiles(log: str) -> dict[str, list[str]]:
+    """Kernels vLLM's JIT monitor (verbose: every compilation) saw compiled during inference, by the
+    worker's phase ("batch B warm-up", "batch B timed", "profiles"; "start" before the first): a
+    compilation in a timed phase stalled a timed run."""
+    phase, out = "start", {}
+    for line in log.splitlines():
+        if line.startswith(PHASE):
+            phase = line[len(PHASE):].strip()
+        elif (m := JIT_LINE.search(line)):
+            out.setdefault(phase, []).append(m.group(1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two shapes with fewer layers (~3 min)")
@@ -374,6 +395,7 @@ def main() -> None:
                                    args.profiled],
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {}
+            entry[quant]["jit_compiles"] = jit_compiles(proc.stdout + proc.stderr)
             # each engine's log beside the results (vLLM's resolved CUDA graph mode, its captures, warnings)
             Path(args.out).with_name(f"{Path(args.out).stem}.{shape}.{quant}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode:                             # what it measured before failing is kept
@@ -398,6 +420,10 @@ def main() -> None:
                                 for q in quants)
             print(f"| {shape} ({entry['layers']}) | {b} | " + " | ".join(f"{tps[q] or 0:.0f}" for q in quants)
                   + " | " + " | ".join(cells) + f" | {spread} |")
+        for q in quants:
+            print(f"\n{shape}, {q}: kernels JIT-compiled while serving (vLLM's JIT monitor), by phase: "
+                  + ("; ".join(f"{phase}: {len(names)} ({', '.join(sorted(set(names)))})"
+                               for phase, names in entry[q].get("jit_compiles", {}).items()) or "none"))
         for b in profiled:
             print(f"\nper decode step at batch {b}, {shape}: GPU us by kernel category ({' / '.join(quants)})")
             prof = {q: entry[q].get("profiles", {}).get(str(b), {}) for q in quants}

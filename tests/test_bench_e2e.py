@@ -76,3 +76,18 @@ def test_decode_steps_are_the_intervals_between_forwards():
     assert steps["gpu_us"]["nvfp4 GEMMs (linears, MoE experts)"] == (50.0 + 80.0) / 2
     assert steps["gpu_us"]["nvfp4 activation quantization"] == 3.0
     assert e2e.decode_steps(trace[:5]) == {}                       # two forwards: no whole decode step
+
+
+def test_jit_compiles_by_phase():
+    """Kernel compilations vLLM's JIT monitor logs while serving, counted in the worker's phase (lines as
+    vLLM 0.26 writes them, H100 twenty-second session)."""
+    warn = ("(EngineCore pid=1886) WARNING 12-06 19:28:5{} [jit_monitor.py:135] Triton kernel JIT compilation during "
+            "inference: {}. This causes a latency spike; consider extending warmup to cover this shape/config.")
+    log = "\n".join([warn.format(1, "kernel_unified_attention"), f"{e2e.PHASE} batch 1 warm-up",
+                     warn.format(2, "_act_quant_kernel"), warn.format(6, "_schedule_kernel"),
+                     f"{e2e.PHASE} batch 1 timed", "INFO other line", f"{e2e.PHASE} batch 16 warm-up",
+                     f"{e2e.PHASE} batch 16 timed", warn.format(7, "_exact_gemm_kernel")])
+    assert e2e.jit_compiles(log) == {"start": ["kernel_unified_attention"],
+                                     "batch 1 warm-up": ["_act_quant_kernel", "_schedule_kernel"],
+                                     "batch 16 timed": ["_exact_gemm_kernel"]}
+    assert e2e.jit_compiles("INFO nothing compiled") == {}
