@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
+import time
 import types
 from collections.abc import Iterator
 
@@ -42,6 +45,19 @@ from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
 from . import commit, layers
 from .policy import quantized_linear_shards
+
+log = logging.getLogger(__name__)
+
+# Load-time warm-up (CUDA): a layer of a shape not seen before runs its forward at these token counts as the
+# first post-load step ends, so every kernel variant the dispatch can pick compiles before the engine serves
+# (without it vLLM's JIT monitor saw _act_quant_kernel, _schedule_kernel and _exact_gemm_kernel compile while
+# serving, and timed runs stalled up to 6.7 s: H100, twenty-second session). Powers of two, one more and 1.5x,
+# up to 8192 tokens: both sides of every size bound of the dispatch (rows 4/5, 8/9, 16/17, 64/65; pairs at
+# top-8 32, 513, 2048, 4096, 8192 and 256 rows an expert) and both of Triton's divisibility classes; larger
+# counts take the variants of 8192. NVFP4_SAMPLER_WARMUP=0 turns it off.
+WARMUP_TOKENS = tuple(sorted({n for i in range(14) for n in (1 << i, (1 << i) + 1, (3 << i) >> 1) if n <= 8192}))
+WARMUP = os.environ.get("NVFP4_SAMPLER_WARMUP", "1") != "0"
+_WARMED: set[tuple] = set()
 
 
 class ConfigCore:
@@ -188,6 +204,34 @@ class LayerCore:
         for w in loaded.values():
             self.memory.processed_weight(w)
         self.memory.processed_layer()
+        if first and WARMUP and next(iter(loaded.values())).codes.is_cuda:
+            self.warm_up(layer)
+
+    def warm_up(self, layer: torch.nn.Module, tokens: tuple[int, ...] = WARMUP_TOKENS) -> int:
+        """Run the layer's forward at each of `tokens` (zero activations, any routing) unless a layer of the
+        same shapes, backend, dtype and config ran them in this process: its kernels compile now, not while
+        serving. Returns the forwards run (0: warmed before, or nothing to run)."""
+        storage = self.storage(layer)
+        key = (type(self).__name__, layer.nvfp4_backend, getattr(layer, "nvfp4_dtype", None), repr(self.config),
+               tuple((n, tuple(w.shape), w.codes.device, w.global_scale.dim()) for n, w in storage.items()),
+               getattr(layer, "nvfp4_top_k", None))
+        if key in _WARMED:
+            return 0
+        _WARMED.add(key)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            runs = sum(self._warm_up_forward(layer, t) for t in tokens)
+        device = next(iter(storage.values())).codes.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()                 # its activations' blocks: not the engine's to account for
+        log.info("nvfp4_sampler: %s: kernels warmed at %d token counts in %.1f s", self.prefix, runs,
+                 time.perf_counter() - t0)
+        return runs
+
+    def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
+        """One forward of `tokens` tokens for `warm_up`; False where the layer cannot run one alone."""
+        raise NotImplementedError
 
 
 def _load_linear(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
@@ -230,6 +274,7 @@ class LinearCore(LayerCore):
         w = layers.create_weight(sum(output_sizes), k_part, name=self.prefix)
         layer.nvfp4_geometry = (list(output_sizes), input_size, k_part)
         layer.nvfp4_tp_group = tp_group
+        layer.nvfp4_dtype = dtype
         self._register(layer, {"weight": w}, _load_linear, op="linear", k=k_part, tp_amax=tp_group is not None,
                        rows=tuple(output_sizes), dtype=dtype)
 
@@ -260,6 +305,15 @@ class LinearCore(LayerCore):
         return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend,
                                    tp_group=layer.nvfp4_tp_group)
 
+    def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
+        if layer.nvfp4_tp_group is not None:       # its amax all-reduce: every rank would have to join
+            return False
+        bias = getattr(layer, "bias", None)
+        dtype = layer.nvfp4_dtype or torch.bfloat16
+        self.apply(layer, torch.zeros(tokens, layer.weight.shape[-1] * 2, dtype=dtype, device=layer.weight.device),
+                   bias if isinstance(bias, torch.Tensor) else None)
+        return True
+
 
 class ExpertsCore(LayerCore):
     """The SwiGLU experts of one MoE layer (`prefix` "...mlp.experts"), routing left to the engine.
@@ -268,8 +322,12 @@ class ExpertsCore(LayerCore):
     storages = ("w13", "w2")
 
     def create_experts(self, layer: torch.nn.Module, *, num_experts: int, hidden: int, inter: int,
-                       tp_rank: int = 0, tp_size: int = 1) -> None:
-        """Register the expert parameters (`inter`: the intermediate size on this rank) and choose the backend."""
+                       tp_rank: int = 0, tp_size: int = 1, top_k: int | None = None,
+                       dtype: torch.dtype | None = None) -> None:
+        """Register the expert parameters (`inter`: the intermediate size on this rank) and choose the backend.
+        top_k, dtype: the routing's experts per token and the activations' dtype (the load-time warm-up's
+        forwards; without top_k it runs none)."""
+        layer.nvfp4_top_k, layer.nvfp4_dtype = top_k, dtype
         if self.config.recipe.activation_scaling != "per_token":
             raise ValueError(f"nvfp4_sampler: {self.prefix}: MoE experts support activation_scaling="
                              f"'per_token' only, got {self.config.recipe.activation_scaling!r}")
@@ -292,6 +350,18 @@ class ExpertsCore(LayerCore):
         w13 = NVFP4Tensor(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
         w2 = NVFP4Tensor(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
         return layers.apply_moe(x, w13, w2, topk_weights, topk_ids, config=self.config, backend=layer.nvfp4_backend)
+
+    def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
+        k = layer.nvfp4_top_k
+        if not k:
+            return False
+        experts, _, half_hidden = layer.w13_weight.shape              # codes: two per byte
+        device = layer.w13_weight.device
+        ids = (torch.arange(tokens * k, device=device, dtype=torch.int32) % experts).view(tokens, k)  # as vLLM routes:
+        weights = torch.full((tokens, k), 1.0 / k, device=device)                                    # int32, fp32
+        x = torch.zeros(tokens, half_hidden * 2, dtype=layer.nvfp4_dtype or torch.bfloat16, device=device)
+        self.forward_experts(layer, x, weights, ids)
+        return True
 
 
 def is_nvfp4(module: torch.nn.Module) -> bool:

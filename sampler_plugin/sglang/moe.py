@@ -23,7 +23,8 @@ class NVFP4MoEMethod(ExpertsCore, FusedMoEMethodBase):
                                       f"by the SGLang adapter yet (moe tp_size and ep_size must be 1)")
         if extra_weight_attrs.get("with_bias"):
             raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: MoE experts with biases are not supported")
-        self.create_experts(layer, num_experts=num_experts, hidden=hidden_size, inter=intermediate_size_per_partition)
+        self.create_experts(layer, num_experts=num_experts, hidden=hidden_size, inter=intermediate_size_per_partition,
+                            top_k=getattr(layer, "top_k", None), dtype=params_dtype)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:
         """No SGLang runner: `apply` calls the kernels directly. Refuses what kernels.moe does not compute."""

@@ -30,7 +30,8 @@ class NVFP4MoEMethod(ExpertsCore, FusedMoEMethodBase):
         if parallel.use_ep:
             raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: expert parallelism is not supported yet")
         self.create_experts(layer, num_experts=num_experts, hidden=hidden_size, inter=intermediate_size_per_partition,
-                            tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+                            tp_rank=parallel.tp_rank, tp_size=parallel.tp_size, top_k=self.moe.experts_per_token,
+                            dtype=params_dtype)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None

@@ -1,0 +1,68 @@
+"""The layer core's load-time warm-up (`core.warm_up`): which token counts it runs, and that it runs each
+layer shape once per process. The compilations it moves out of serving are measured on the GPU (the e2e
+bench counts the kernels vLLM's JIT monitor sees compiled while serving)."""
+from __future__ import annotations
+
+import torch
+
+from nvfp4_sampler.kernels import cuda_mma, triton_gemm, triton_moe
+from nvfp4_sampler.sampler_format import SamplerConfig
+from nvfp4_sampler.sampler_plugin import core, layers
+
+
+def _regions(bounds: list[int], top: int) -> list[range]:
+    """The token ranges between consecutive bounds (a bound b: b tokens and fewer take one side)."""
+    edges = sorted({0, *(b for b in bounds if 0 < b < top), top})
+    return [range(a + 1, b + 1) for a, b in zip(edges, edges[1:])]
+
+
+def test_warm_up_tokens_reach_every_side_of_the_dispatch_bounds():
+    """Every range of token counts between two size bounds of the dense and MoE dispatch (rows; pairs at
+    top-8 and top-4, 128 experts) holds a warm-up count, a multiple of 16 where it holds one, and another."""
+    rows = [triton_gemm.GEMV_MAX_M, cuda_mma.MMA_MIN_M - 1, cuda_mma.SMALL_MIN_M - 1, cuda_mma.THROUGHPUT_MIN_M - 1,
+            cuda_mma.PERSIST_MIN_M - 1, cuda_mma.MMA_MAX_M, *(top for top, _, _ in cuda_mma.TILES if top)]
+    for k in (8, 4):
+        pairs = [triton_moe.PAIRED_MAX_PAIRS, triton_moe.MMA_WIDE_PAIRS - 1, triton_moe.MMA_MAX_PAIRS,
+                 triton_moe.SCHEDULE_MAX_PAIRS, triton_moe.EXACT_CODES_MAX_PAIRS,
+                 triton_moe.EXACT_TALL_ROWS * 128 - 1]
+        bounds = rows + [p // k for p in pairs]
+        for region in _regions(bounds, max(core.WARMUP_TOKENS)):
+            got = [t for t in core.WARMUP_TOKENS if t in region]
+            assert got, f"no warm-up count in {region} (top-{k})"
+            if any(t % 16 == 0 for t in region):
+                assert any(t % 16 == 0 for t in got), f"no multiple of 16 warmed in {region}"
+            if any(t % 16 for t in region):
+                assert any(t % 16 for t in got), f"no odd count warmed in {region}"
+
+
+def _linear(cfg: SamplerConfig, prefix: str):
+    lin = core.LinearCore(cfg, prefix, [prefix], layers.MemoryReport())
+    layer = torch.nn.Module()
+    lin.create_linear(layer, output_sizes=[32], input_size=64, k_part=64, dtype=torch.bfloat16)
+    lin.load(layer, layer.weight, torch.randn(32, 64, dtype=torch.bfloat16))
+    lin.process_weights_after_loading(layer)                # on the CPU: no warm-up of its own
+    return lin, layer
+
+
+def test_warm_up_runs_each_layer_shape_once():
+    cfg = SamplerConfig(backend="reference")
+    lin, layer = _linear(cfg, "a.proj")
+    assert lin.warm_up(layer, tokens=(1, 3, 17)) == 3
+    other, other_layer = _linear(cfg, "b.proj")             # the same shape, backend, dtype and config
+    assert other.warm_up(other_layer, tokens=(1, 3, 17)) == 0
+    strict, strict_layer = _linear(SamplerConfig(backend="reference", strict=True), "c.proj")
+    assert strict.warm_up(strict_layer, tokens=(2,)) == 1   # another config: its own kernels
+
+
+def test_warm_up_runs_the_experts_with_their_top_k_only():
+    cfg = SamplerConfig(backend="reference")
+    for top_k, runs in ((2, 2), (None, 0)):
+        ex = core.ExpertsCore(cfg, "m.experts", layers.MemoryReport())
+        moe = torch.nn.Module()
+        ex.create_experts(moe, num_experts=4, hidden=64, inter=32, top_k=top_k, dtype=torch.bfloat16)
+        for e in range(4):
+            for sid in ("w1", "w3", "w2"):
+                name, shard = ex.locate(moe, "", sid, e)
+                shape = (32, 64) if sid != "w2" else (64, 32)
+                layers.write(ex.storage(moe)[name], shard, "weight", torch.randn(shape, dtype=torch.bfloat16), config=cfg)
+        assert ex.warm_up(moe, tokens=(1, 5)) == runs
