@@ -338,6 +338,7 @@ def profile_decode(llm, run, b: int, trace_dir: str | Path, *, steps: int = 32) 
 
 PHASE = "bench phase:"          # the worker's markers in its log, between the engine's own lines
 JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)[.(\s]")
+WARM_UP_LINE = re.compile(r"kernels warmed at \d+ token counts in ([\d.]+) s")   # `core.LayerCore.warm_up`'s log
 
 
 def jit_compiles(log: str) -> dict[str, list[str]]:
@@ -396,6 +397,7 @@ def main() -> None:
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {}
             entry[quant]["jit_compiles"] = jit_compiles(proc.stdout + proc.stderr)
+            entry[quant]["warm_up_seconds"] = sum(map(float, WARM_UP_LINE.findall(proc.stdout + proc.stderr)))
             # each engine's log beside the results (vLLM's resolved CUDA graph mode, its captures, warnings)
             Path(args.out).with_name(f"{Path(args.out).stem}.{shape}.{quant}.log").write_text(proc.stdout + proc.stderr)
             if proc.returncode:                             # what it measured before failing is kept
@@ -421,9 +423,11 @@ def main() -> None:
             print(f"| {shape} ({entry['layers']}) | {b} | " + " | ".join(f"{tps[q] or 0:.0f}" for q in quants)
                   + " | " + " | ".join(cells) + f" | {spread} |")
         for q in quants:
-            print(f"\n{shape}, {q}: kernels JIT-compiled while serving (vLLM's JIT monitor), by phase: "
-                  + ("; ".join(f"{phase}: {len(names)} ({', '.join(sorted(set(names)))})"
-                               for phase, names in entry[q].get("jit_compiles", {}).items()) or "none"))
+            print(f"\n{shape}, {q}: start {entry[q].get('start_seconds')} s (load-time kernel warm-up "
+                  f"{entry[q].get('warm_up_seconds', 0):.1f} s); kernels JIT-compiled while serving (vLLM's JIT "
+                  "monitor), by phase: " + ("; ".join(f"{phase}: {len(names)} ({', '.join(sorted(set(names)))})"
+                                                     for phase, names in entry[q].get("jit_compiles", {}).items())
+                                           or "none"))
         for b in profiled:
             print(f"\nper decode step at batch {b}, {shape}: GPU us by kernel category ({' / '.join(quants)})")
             prof = {q: entry[q].get("profiles", {}).get(str(b), {}) for q in quants}

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 import types
@@ -45,8 +44,6 @@ from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
 from . import commit, layers
 from .policy import quantized_linear_shards
-
-log = logging.getLogger(__name__)
 
 # Load-time warm-up (CUDA): a layer of a shape not seen before runs its forward at these token counts as the
 # first post-load step ends, so every kernel variant the dispatch can pick compiles before the engine serves
@@ -225,8 +222,8 @@ class LayerCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()                 # its activations' blocks: not the engine's to account for
-        log.info("nvfp4_sampler: %s: kernels warmed at %d token counts in %.1f s", self.prefix, runs,
-                 time.perf_counter() - t0)
+        layers.logger.warning("nvfp4_sampler: %s: kernels warmed at %d token counts in %.1f s (once per layer shape; "
+                              "NVFP4_SAMPLER_WARMUP=0 skips it)", self.prefix, runs, time.perf_counter() - t0)
         return runs
 
     def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:

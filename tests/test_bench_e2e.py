@@ -91,3 +91,5 @@ def test_jit_compiles_by_phase():
                                      "batch 1 warm-up": ["_act_quant_kernel", "_schedule_kernel"],
                                      "batch 16 timed": ["_exact_gemm_kernel"]}
     assert e2e.jit_compiles("INFO nothing compiled") == {}
+    warmed = "(EngineCore pid=7) INFO 12-06 [core.py:1] nvfp4_sampler: m.experts: kernels warmed at 38 token counts in 12.5 s"
+    assert [float(x) for x in e2e.WARM_UP_LINE.findall(warmed + "\n" + warmed.replace("12.5", "0.5"))] == [12.5, 0.5]
