@@ -90,6 +90,9 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e_moe.json" ;;
     bench_e2e_moe_16) limit=560; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --profiled 1,16,64
                               --out $OUT/bench_vllm_e2e_moe_16.json" ;;   # GPU-bound (4 layers are host-bound), 20 GB on disk
+    # the same, batch 1 profiled only (a short call: the tokens/s table, the JIT count, the warm-up seconds)
+    bench_e2e_moe_16_b1) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --profiled 1
+                              --out $OUT/bench_vllm_e2e_moe_16.json" ;;
     # the MoE's tensor-core grouped launches from 1 token (NVFP4_SAMPLER_PAIRED_MAX_PAIRS=0) beside the per-pair GEMVs
     bench_e2e_moe_mma) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --moe-mma --profiled 1
                               --out $OUT/bench_vllm_e2e_moe_mma.json" ;;
