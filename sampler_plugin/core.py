@@ -222,8 +222,9 @@ class LayerCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()                 # its activations' blocks: not the engine's to account for
-        layers.logger.warning("nvfp4_sampler: %s: kernels warmed at %d token counts in %.1f s (once per layer shape; "
-                              "NVFP4_SAMPLER_WARMUP=0 skips it)", self.prefix, runs, time.perf_counter() - t0)
+        if runs:
+            layers.logger.warning("nvfp4_sampler: %s: kernels warmed at %d token counts in %.1f s (once per layer "
+                                  "shape; NVFP4_SAMPLER_WARMUP=0 skips it)", self.prefix, runs, time.perf_counter() - t0)
         return runs
 
     def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
