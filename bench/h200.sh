@@ -35,6 +35,8 @@ step() {   # step NAME: its timeout (s) and command
     case $1 in
     kernels)   limit=260; cmd="python3 -m pytest -q -rA --durations=15 -m gpu tests/test_gpu_kernels.py tests/test_ops.py
                               tests/test_reference.py tests/test_converters.py tests/test_push.py tests/test_diagnostics_operators.py" ;;
+    # the layer core's load-time warm-up: after it, forwards at other token counts compile no Triton kernel
+    warm_up)   limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_warm_up.py" ;;
     # the Triton split-K launches (GEMV, MoE) alone, with and without the device's tickets
     split_k)   limit=200; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_kernels.py::test_split_k_launches_count_in_the_device_tickets
                               tests/test_gpu_kernels.py::test_gemv_matches_reference tests/test_gpu_kernels.py::test_moe_matches_reference

@@ -3,6 +3,7 @@ layer shape once per process. The compilations it moves out of serving are measu
 bench counts the kernels vLLM's JIT monitor sees compiled while serving)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nvfp4_sampler.kernels import cuda_mma, triton_gemm, triton_moe
@@ -66,3 +67,45 @@ def test_warm_up_runs_the_experts_with_their_top_k_only():
                 shape = (32, 64) if sid != "w2" else (64, 32)
                 layers.write(ex.storage(moe)[name], shard, "weight", torch.randn(shape, dtype=torch.bfloat16), config=cfg)
         assert ex.warm_up(moe, tokens=(1, 5)) == runs
+
+
+@pytest.mark.gpu
+def test_after_warm_up_serving_compiles_no_kernel():
+    """On the GPU with the default backends: once a linear and an MoE layer are warmed, forwards at token
+    counts the warm-up did not run (1 to 3000, odd and even, both MoE top-k's) compile no Triton kernel
+    (Triton's post-compile hook, as vLLM's JIT monitor uses it; disk-cache loads count too)."""
+    import triton
+
+    cfg = SamplerConfig()
+    lin = core.LinearCore(cfg, "g.proj", ["g.proj"], layers.MemoryReport())
+    layer = torch.nn.Module()
+    with torch.device("cuda"):                                 # storage (and so the backend) on the GPU
+        lin.create_linear(layer, output_sizes=[1024], input_size=2048, k_part=2048, dtype=torch.bfloat16)
+    lin.load(layer, layer.weight, torch.randn(1024, 2048, dtype=torch.bfloat16, device="cuda"))
+    ex = core.ExpertsCore(cfg, "g.experts", layers.MemoryReport())
+    moe = torch.nn.Module()
+    with torch.device("cuda"):
+        ex.create_experts(moe, num_experts=16, hidden=1024, inter=256, top_k=4, dtype=torch.bfloat16)
+    assert layer.nvfp4_backend != "reference" and moe.nvfp4_backend != "reference"
+    for e in range(16):
+        for sid, shape in (("w1", (256, 1024)), ("w3", (256, 1024)), ("w2", (1024, 256))):
+            name, shard = ex.locate(moe, "", sid, e)
+            layers.write(ex.storage(moe)[name], shard, "weight",
+                         torch.randn(shape, dtype=torch.bfloat16, device="cuda"), config=cfg)
+    assert core.WARMUP
+    lin.process_weights_after_loading(layer)                   # the warm-up runs here, on CUDA
+    ex.process_weights_after_loading(moe)
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
+    try:
+        with torch.no_grad():
+            for t in (3, 7, 10, 13, 20, 31, 40, 47, 50, 70, 90, 111, 200, 300, 517, 700, 1111, 2222, 3000):
+                lin.apply(layer, torch.randn(t, 2048, dtype=torch.bfloat16, device="cuda"))
+                ids = torch.randint(0, 16, (t, 4), device="cuda", dtype=torch.int32)
+                ex.forward_experts(moe, torch.randn(t, 1024, dtype=torch.bfloat16, device="cuda"),
+                                   torch.full((t, 4), 0.25, device="cuda"), ids)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == [], f"compiled while serving after the warm-up: {sorted(set(compiled))}"
