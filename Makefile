@@ -56,7 +56,7 @@ test: $(STAMP) $(SGLANG_STAMP)
 
 # On the H200 (device tool; its image has torch, triton and pytest): see README "GPU tests and benchmarks".
 test-gpu:
-	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_mma.py tests/test_gpu_mma_cluster.py
+	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py tests/test_gpu_mma.py tests/test_gpu_mma_cluster.py tests/test_warm_up.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) $(GPU_VENV) build *.egg-info
