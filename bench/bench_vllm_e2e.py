@@ -396,10 +396,11 @@ def main() -> None:
                                    args.profiled],
                                   cwd=ROOT, capture_output=True, text=True)
             entry[quant] = json.loads(out.read_text()) if out.exists() else {}
-            entry[quant]["jit_compiles"] = jit_compiles(proc.stdout + proc.stderr)
-            entry[quant]["warm_up_seconds"] = sum(map(float, WARM_UP_LINE.findall(proc.stdout + proc.stderr)))
+            log = proc.stdout + proc.stderr
+            entry[quant]["jit_compiles"] = jit_compiles(log)
+            entry[quant]["warm_up_seconds"] = sum(map(float, WARM_UP_LINE.findall(log)))
             # each engine's log beside the results (vLLM's resolved CUDA graph mode, its captures, warnings)
-            Path(args.out).with_name(f"{Path(args.out).stem}.{shape}.{quant}.log").write_text(proc.stdout + proc.stderr)
+            Path(args.out).with_name(f"{Path(args.out).stem}.{shape}.{quant}.log").write_text(log)
             if proc.returncode:                             # what it measured before failing is kept
                 entry[quant]["error"] = proc.stderr[-3000:]
             Path(args.out).write_text(json.dumps(results, indent=1))

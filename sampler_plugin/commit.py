@@ -149,12 +149,15 @@ LARGE_COPY_BYTES = 4 << 20
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for every i: tensors of LARGE_COPY_BYTES or more one copy each, the rest
     one `torch._foreach_copy_` (per dtype and device, as it groups them)."""
-    small = [(d, s) for d, s in zip(dst, src, strict=True) if d.numel() * d.element_size() < LARGE_COPY_BYTES]
-    for d, s in zip(dst, src):
+    small_dst, small_src = [], []
+    for d, s in zip(dst, src, strict=True):
         if d.numel() * d.element_size() >= LARGE_COPY_BYTES:
             d.copy_(s)
-    if small:
-        torch._foreach_copy_([d for d, _ in small], [s for _, s in small])
+        else:
+            small_dst.append(d)
+            small_src.append(s)
+    if small_dst:
+        torch._foreach_copy_(small_dst, small_src)
 
 
 def _write_checked(targets: Mapping[str, Target], checked, *, config: SamplerConfig) -> None:
