@@ -129,7 +129,7 @@ def _load_packed(codes, scales, rows64, rmask, k0, k_end, KH: tl.constexpr, KB: 
     return c, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])   # counts of tokens: one compilation for all
 def _w4a4_kernel(
     # activations, per-token quantized: codes [*, K/2], scales [*, K/16], S_dec [*] (stride 0: per tensor)
     a_codes, a_scales, a_gs, stride_a_gs,
@@ -219,7 +219,7 @@ def _dequant_exact_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BL
              mask=rmask[:, None] & (kk < K)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])   # counts of tokens: one compilation for all
 def _scale_epilogue_kernel(acc, a_gs, w_gs, stride_w_gs, bias, out, stride_out, M, N,
                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out [M, N] (rows stride_out apart) = (acc * a_gs[m]) * w_gs[n] (+ bias[n]) from the FP32 product
@@ -305,7 +305,7 @@ def _tiled_weight_tile(w, w_scales, wrow, cmask, k0, K, BLOCK_K: tl.constexpr):
     return tl.reshape(vals * s[:, :, None, None, None], (wrow.shape[0], BLOCK_K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['Z', 'M'])   # counts of tokens: one compilation for all
 def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched, Z, M,
                        N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                        W_CODES: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -160,7 +160,7 @@ def _quantize_blocks(xb, s_enc, TE: tl.constexpr, PER_ROW: tl.constexpr):
     return blk, scale.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])   # counts of tokens: one compilation for all
 def _w4a4_gemv_kernel(
     x, stride_xm,                              # activations [M, K] float (rows of stride_xm, unit column stride)
     amax, stride_amax,                         # fp32 amax override per row (stride 1) or per tensor (stride 0) (GIVEN_AMAX)

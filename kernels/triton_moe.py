@@ -73,7 +73,7 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 SCHEDULE_MAX_PAIRS = 4096   # `schedule_rows` sorts the pairs in one program (registers); beyond, `moe_schedule`
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['P', 'Z'])   # counts of tokens: one compilation for all
 def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
                      P_PAD: tl.constexpr, E_PAD: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """One program: `moe_schedule`'s stable sort by expert (keys expert * P_PAD + pair), the per-expert

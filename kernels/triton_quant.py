@@ -230,7 +230,7 @@ def _act_tile(tile, x_ptr, stride_xm, index_ptr, amax_ptr, codes_ptr, scales_ptr
         tl.store(deq_ptr + rows64[:, None, None] * K + cols, value.to(deq_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M', 'n_tiles'])   # counts of tokens: one compilation for all
 def _act_quant_kernel(
     x_ptr, stride_xm,                      # input [M, K] float, row stride ([*, 2K] for SWIGLU)
     index_ptr,                             # int [M]: input row of each output row (GATHER)

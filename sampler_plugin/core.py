@@ -50,8 +50,10 @@ from .policy import quantized_linear_shards
 # (without it vLLM's JIT monitor saw _act_quant_kernel, _schedule_kernel and _exact_gemm_kernel compile while
 # serving, and timed runs stalled up to 6.7 s: H100, twenty-second session). Powers of two, one more and 1.5x,
 # up to 8192 tokens: both sides of every size bound of the dispatch (rows 4/5, 8/9, 16/17, 64/65; pairs at
-# top-8 32, 513, 2048, 4096, 8192 and 256 rows an expert) and both of Triton's divisibility classes; larger
-# counts take the variants of 8192. NVFP4_SAMPLER_WARMUP=0 turns it off.
+# top-8 32, 513, 2048, 4096, 8192 and 256 rows an expert); larger counts take the variants of 8192. The kernels
+# do not specialize on counts of tokens (`do_not_specialize`): Triton's divisibility classes of several counts
+# (rows, pairs, tiles) combine by the routing, which no grid covers (H100, twenty-third session: compilations
+# while serving after a warm-up). NVFP4_SAMPLER_WARMUP=0 turns it off.
 WARMUP_TOKENS = tuple(sorted({n for i in range(14) for n in (1 << i, (1 << i) + 1, (3 << i) >> 1) if n <= 8192}))
 WARMUP = os.environ.get("NVFP4_SAMPLER_WARMUP", "1") != "0"
 _WARMED: set[tuple] = set()
