@@ -25,6 +25,7 @@ import pathlib
 
 import torch
 
+from . import switches
 from .format import NVFP4Tensor
 
 MMA_MAX_M = 64            # the default path's upper end (`triton_gemm.linear_path`); any M runs, in token tiles.
@@ -75,27 +76,8 @@ _SOURCE = pathlib.Path(__file__).with_name("cuda") / "w4a16_mma.cu"
 _MIN_CTAS = 1024          # about 8 CTAs per SM of an H200 before the split-K slice is halved
 
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """A kernel-variant switch read once at import (so that a benchmark can run whole engines on a variant:
-    the engine core reads it too; `prepare` compiles that one): the environment's value, choices[0] unset;
-    not user settings: their defaults follow the H200 measurements."""
-    value = os.environ.get(name, choices[0])
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def env_count(name: str, default: int) -> int:
-    """A token-count switch read once at import like `_env_choice`'s: the environment's 0..MMA_MAX_M, or
-    default unset; anything else stops the import naming the variable."""
-    value = os.environ.get(name, str(default))
-    if not value.isdigit() or int(value) > MMA_MAX_M:
-        raise ValueError(f"{name} must be a token count 0..{MMA_MAX_M}, got {value!r}")
-    return int(value)
-
-
 # The MMA every launch uses unless told: "mma" (mma.sync) or "wgmma" (the warpgroup-MMA variant, sm_90a)
-WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
+WGMMA = switches.choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # Split-K through thread-block clusters (the .cu file's CLUSTER: partial sums added through distributed
 # shared memory, no FP32 planes in global memory, the same bits) for launches of S <= CLUSTER_MAX_S
 # slices, or through global FP32 planes. H200 (2026-12-05, kernel alone, tiled weights, us global / cluster):
@@ -106,7 +88,7 @@ WGMMA = _env_choice("NVFP4_SAMPLER_MMA", ("mma", "wgmma")) == "wgmma"
 # every CTA pulling them behind two cluster barriers (the .cu file's CLUSTER_PUSH; the same bits); "cluster"
 # pulls them. H100 (2026-12-06, bench_decode_8b, kernel alone on tiled weights, us pulled / pushed) 8B qkv, o,
 # gate_up, down at M = 16: 11.6 / 10.9, 10.7 / 9.4, 30.8 / 29.1, 17.9 / 17.1; at M = 1 ties to 4% faster
-_SPLIT_K = _env_choice("NVFP4_SAMPLER_SPLIT_K", ("push", "cluster", "global"))
+_SPLIT_K = switches.choice("NVFP4_SAMPLER_SPLIT_K", ("push", "cluster", "global"))
 CLUSTER, PUSH = _SPLIT_K != "global", _SPLIT_K == "push"
 CLUSTER_MAX_S = 8         # the portable cluster size
 # Dense linears hand the kernel the activation's 4-bit codes and block scales (`triton_quant.quantize_per_token`)
@@ -115,7 +97,7 @@ CLUSTER_MAX_S = 8         # the portable cluster size
 # stages. The same bits. The default ("0": the rows): H100 (2026-12-06, bench_decode_8b, linear = quantizer +
 # kernel, us rows / codes) 8B qkv, o, gate_up, down at M = 16: 13.2 / 12.2, 11.6 / 11.4, 32.1 / 30.3, 21.0 / 19.5;
 # faster or tied at all 16 points of M = 1, 16, 32, 64
-X_CODES = _env_choice("NVFP4_SAMPLER_X_CODES", ("1", "0")) == "1"
+X_CODES = switches.choice("NVFP4_SAMPLER_X_CODES", ("1", "0")) == "1"
 # Persistent CTAs (the .cu file's PERSIST; mma.sync or wgmma): about one wave of CTAs, each computing every
 # gridDim.x-th row tile with its activations staged once and its weight rings streaming across tiles (the
 # fourth session's Nsight run found each one-tile CTA's life one round trip, with no steady state). The same
@@ -128,13 +110,13 @@ X_CODES = _env_choice("NVFP4_SAMPLER_X_CODES", ("1", "0")) == "1"
 # 15.2, o 15.6 / 14.3, down 22.4 / 19.7 (one wave each), gate_up 34.9 / 38.6 (more than one); M = 64 qkv 19.2 /
 # 18.9, o 16.5 / 15.1 (one wave), gate_up 48.1 / 60.0 (more). NVFP4_SAMPLER_PERSIST: "auto" (that), "1" every
 # launch (the MoE's grouped ones too), "0" none
-_PERSIST = _env_choice("NVFP4_SAMPLER_PERSIST", ("auto", "0", "1"))
+_PERSIST = switches.choice("NVFP4_SAMPLER_PERSIST", ("auto", "0", "1"))
 PERSIST = _PERSIST == "1"
 PERSIST_MIN_M = 17
 # L2 prefetch of each warp's slice (the .cu file's PREFETCH, tiled weights): the later chunks' DRAM round trips
 # overlap the first ones'; the same bits; off: slower at 23 of 24 points of the H100 run above (8B shapes at
 # M = 1, 16, 64, one tile a CTA +1% to +13%, persistent +7% to +24%; faster only at qkv M = 16 one tile, -8.5%)
-PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
+PREFETCH = switches.choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 # Programmatic dependent launch: the decode kernel's CTAs start (and load weights) while the activation
 # quantizer before it still runs; its griddepcontrol.wait orders the activation reads after the quantizer's
 # writes, so an ordinary launch (the wait then a no-op) gives the same bits. NVFP4_SAMPLER_PDL: "auto" (the
@@ -146,8 +128,8 @@ PREFETCH = _env_choice("NVFP4_SAMPLER_PREFETCH", ("0", "1")) == "1"
 # (M = 16) and 220 vs 163 (M = 64) for the GPU's 3362 vs 3310 and 5017 vs 5224 us. Since then PDL at every
 # size beat the default at batch 16 in three runs of four (1.09x H200, 1.04x and 1.22x H100) and lost at 64 in
 # all four: NVFP4_SAMPLER_PDL_MAX_M (the e2e bench's --pdl engine: 16) moves the "auto" bound to measure it
-PDL = _env_choice("NVFP4_SAMPLER_PDL", ("auto", "0", "1"))
-PDL_MAX_M = env_count("NVFP4_SAMPLER_PDL_MAX_M", 1)
+PDL = switches.choice("NVFP4_SAMPLER_PDL", ("auto", "0", "1"))
+PDL_MAX_M = switches.count("NVFP4_SAMPLER_PDL_MAX_M", 1, MMA_MAX_M)
 
 
 def pdl_default(m: int, mode: str | None = None) -> bool:

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from nvfp4_sampler.sampler_format import ACTIVATION_SCALINGS
 
-from . import cuda_mma, triton_gemv, triton_quant
+from . import cuda_mma, switches, triton_gemv, triton_quant
 from .format import NVFP4Tensor
 
 PACKED_MAX_M = 64
@@ -59,7 +59,7 @@ _MMA_DTYPES = (torch.bfloat16, torch.float16)
 # where the engines' cuda_mma linear took 32.5 / 23.5 / 73.6 / 67.2, seventh session; tiled codes not yet
 # measured). Read at import from NVFP4_SAMPLER_EXACT_MIN_M like cuda_mma's variants, so that a benchmark
 # can run whole engines on it (the e2e bench's --exact); not a user setting
-EXACT_MIN_M = cuda_mma.env_count("NVFP4_SAMPLER_EXACT_MIN_M", 0)
+EXACT_MIN_M = switches.count("NVFP4_SAMPLER_EXACT_MIN_M", 0, cuda_mma.MMA_MAX_M)
 
 
 @functools.lru_cache(maxsize=None)

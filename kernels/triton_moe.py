@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cuda_mma, triton_gemm, triton_gemv, triton_quant
+from . import cuda_mma, switches, triton_gemm, triton_gemv, triton_quant
 from .format import NVFP4Tensor
 
 
@@ -212,7 +212,7 @@ PAIRS_MIN_PROGRAMS = 264
 # twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
 # 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1; twenty-second: 48 pairs 85.5 / 77.1.
 # NVFP4_SAMPLER_PAIRED_MAX_PAIRS moves it (the e2e bench's --moe-mma engine: 0, the tensor-core path from 1 token)
-PAIRED_MAX_PAIRS = cuda_mma.env_count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32)
+PAIRED_MAX_PAIRS = switches.count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32, cuda_mma.MMA_MAX_M)
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 import types
 from collections.abc import Iterator
 
 import torch
 
-from nvfp4_sampler.kernels import NVFP4Tensor, dispatch
+from nvfp4_sampler.kernels import NVFP4Tensor, dispatch, switches
 from nvfp4_sampler.sampler_format import METHOD_NAME, SamplerConfig
 
 from . import commit, layers
@@ -55,7 +54,7 @@ from .policy import quantized_linear_shards
 # (rows, pairs, tiles) combine by the routing, which no grid covers (H100, twenty-third session: compilations
 # while serving after a warm-up). NVFP4_SAMPLER_WARMUP=0 turns it off.
 WARMUP_TOKENS = tuple(sorted({n for i in range(14) for n in (1 << i, (1 << i) + 1, (3 << i) >> 1) if n <= 8192}))
-WARMUP = os.environ.get("NVFP4_SAMPLER_WARMUP", "1") != "0"
+WARMUP = switches.choice("NVFP4_SAMPLER_WARMUP", ("1", "0")) == "1"
 _WARMED: set[tuple] = set()
 
 
