@@ -173,6 +173,8 @@ def _w4a4_gemv_kernel(
     FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
     SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
     TE: tl.constexpr,                          # FUSED quantization in TransformerEngine's op order
+    GDC_SIGNAL: tl.constexpr,                  # let a launch after us that waits (GDC_WAIT) start now
+    GDC_WAIT: tl.constexpr,                    # launched programmatically: read x only once the launch before ends
 ):
     """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
     memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
@@ -182,7 +184,10 @@ def _w4a4_gemv_kernel(
     all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs).
     PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
     expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
-    row_weight[p] (the router weight)."""
+    row_weight[p] (the router weight). GDC_WAIT: the weights (never written by the launch before) are
+    prefetched before the grid-dependency wait, everything else is read or written after it."""
+    if GDC_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NB = K // 16
@@ -215,6 +220,8 @@ def _w4a4_gemv_kernel(
     if SWIGLU:
         u_c, u_s = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo, b_hi, NB, BLOCK_B)
         u_c1, u_s1 = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
     if FUSED:
         if GIVEN_AMAX:
             row_amax = tl.load(amax + arow * stride_amax, mask=rmask, other=0.0)
@@ -403,13 +410,14 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
             w.codes.view(torch.int64), w.block_scales, gs, 0, 0 if gs.dim() == 0 else gs.stride(0), n, None, 1,
             out, None, bias, ws, cnt, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
             PER_TENSOR=scaling == "per_tensor", PAIRED=False, SWIGLU=False, ROW_WEIGHT=False,
-            HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", **cfg)
+            HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", GDC_SIGNAL=False, GDC_WAIT=False, **cfg)
     return out
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
                       config: dict, swiglu: bool = False, row_weight: torch.Tensor | None = None,
-                      op_order: str = "vllm", use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
+                      op_order: str = "vllm", signal: bool = False, wait: bool = False,
+                      use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
     launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
 
@@ -417,7 +425,9 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
     swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
     multiplies each output row (the router weight). op_order: the per-token quantizer's ("vllm" or
     "te"). config: `gemv_config`'s, programs counted over all pairs (`triton_moe._moe_pairs` picks it).
-    Split-K partial sums are added in a fixed order."""
+    Split-K partial sums are added in a fixed order. Programmatic dependent launch (CUDA only): signal lets
+    the next launch start early; wait launches this one so, its weights prefetched while the launch before
+    ends (that launch must be the producer of x; pair_expert and row_weight older than it)."""
     p, n = out.shape
     e, w_rows, k = w.shape
     if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
@@ -436,5 +446,5 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
             w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
             out, row_weight, None, ws, cnt, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True,
             SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
-            TE=op_order == "te", **cfg)
+            TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, **cfg, **({"launch_pdl": True} if wait else {}))
     return out

@@ -208,6 +208,9 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
 # about this many programs. H100 (docs/BENCHMARKS.md, twenty-second session, 30B-A3B layer, top-8, us at 1 / 4
 # tokens): 264 programs 24.9 / 55.7, the dense GEMV's 528 27.9 / 57.7, 1056 28.2 / 66.8.
 PAIRS_MIN_PROGRAMS = 264
+# The w2 launch programmatically after w13's (CUDA): its programs start as w13's leave the SMs and prefetch their
+# weights before the grid-dependency wait. NVFP4_SAMPLER_PAIRS_PDL=0: launched plainly (same bits).
+PAIRS_PDL = triton_quant.PDL and switches.choice("NVFP4_SAMPLER_PAIRS_PDL", ("1", "0")) == "1"
 # up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H100 (docs/BENCHMARKS.md,
 # twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
 # 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1; twenty-second: 48 pairs 85.5 / 77.1.
@@ -324,20 +327,22 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     (`combine`), rounded once. strict: batch-invariant (`triton_strict.moe`): the launch configurations
     (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
     config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
-    num_warps, min_programs)."""
+    num_warps, min_programs) and pdl (`PAIRS_PDL`'s choice)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     pairs = (1 if strict else t) * k               # programs counted over all pairs (one token's in strict)
     over = {"block_b": 8, "min_programs": PAIRS_MIN_PROGRAMS, **(config or {})}
+    pdl = over.pop("pdl", PAIRS_PDL) and x.is_cuda
     cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
     cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **over)
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
+    row_weight = topk_weights.reshape(-1).float()          # before w13's launch: w2's may start before it ends
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order,
-                                  config=cfg13)
+                                  config=cfg13, signal=pdl)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1,
-                                  row_weight=topk_weights.reshape(-1).float(), op_order=op_order, config=cfg2)
+    triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1, row_weight=row_weight,
+                                  op_order=op_order, config=cfg2, wait=pdl)
     return combine(y, None, topk_weights, x.dtype, weighted=False)

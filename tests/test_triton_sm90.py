@@ -154,3 +154,42 @@ def test_combine_kernel_compiles_without_spills(gather, weighted):
     _, log = _compile(triton_moe._combine_kernel, sig, dict(K_TOP=8, BLOCK_H=1024, GATHER=gather, WEIGHTED=weighted),
                       ("y_ptr", "pos_ptr", "w_ptr", "out_ptr", "H"), num_warps=4)
     assert "0 bytes spill stores" in log, log
+
+
+@pytest.mark.parametrize("swiglu", [True, False], ids=["w13-signals", "w2-waits"])
+def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(swiglu):
+    """The per-pair MoE GEMVs as `triton_moe._moe_pairs` launches them with programmatic dependent launch: w13
+    lets w2 start (launch_dependents, before any memory access), w2 issues its weight prefetch, then waits
+    (griddepcontrol.wait) before its first read of the activations and before any store or atomic; no spills."""
+    from nvfp4_sampler.kernels import triton_gemv, triton_moe
+    hidden, inter, pairs = 2048, 768, 8
+    n, k = (inter, hidden) if swiglu else (hidden, inter)
+    cfg = triton_gemv.gemv_config(1, n * pairs, k, block_b=8, min_programs=triton_moe.PAIRS_MIN_PROGRAMS)
+    warps = cfg.pop("num_warps")
+    consts = dict(cfg, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True, SWIGLU=swiglu,
+                  ROW_WEIGHT=not swiglu, HAS_BIAS=False, USE_ASM=True, TE=False, GDC_SIGNAL=swiglu, GDC_WAIT=not swiglu,
+                  amax=None, a_codes64=None, a_scales=None, a_gs=None, bias=None)
+    if swiglu:
+        consts["row_weight"] = None
+    sig = {"x": "*bf16", "stride_xm": "i32", "amax": "constexpr", "stride_amax": "i32", "a_codes64": "constexpr",
+           "a_scales": "constexpr", "a_gs": "constexpr", "stride_a_gs": "i32", "w_codes64": "*i64",
+           "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "W_ROWS": "i32",
+           "pair_expert": "*i32", "TOPK": "i32", "out": "*bf16" if swiglu else "*fp32",
+           "row_weight": "constexpr" if swiglu else "*fp32", "bias": "constexpr", "ws": "*fp32", "counters": "*i32",
+           "M": "i32", "N": "i32", "K": "i32"}
+    sig.update({name: "constexpr" for name in consts if name not in sig})
+    ptx, log = _compile(triton_gemv._w4a4_gemv_kernel, sig, consts,
+                        ("x", "stride_xm", "w_codes64", "w_scales", "w_gs", "pair_expert", "out", "ws", "counters",
+                         "N", "K"), num_warps=warps)
+    assert "0 bytes spill stores" in log, log
+    body = ptx[ptx.index(".entry"):]
+    if swiglu:
+        assert "griddepcontrol.launch_dependents" in body and "griddepcontrol.wait" not in body
+        first_access = min(body.index(op) for op in ("ld.global", "st.global") if op in body)
+        assert body.index("griddepcontrol.launch_dependents") < first_access
+    else:
+        assert "griddepcontrol.wait" in body and "griddepcontrol.launch_dependents" not in body
+        before, after = body.split("griddepcontrol.wait", 1)
+        assert before.count("ld.global") >= 4                    # the weight prefetch: codes and scales, 2 steps
+        assert "st.global" not in before and "atom." not in before and "red." not in before
+        assert "ld.global" in after                              # the activations
