@@ -167,7 +167,9 @@ def _w4a4_gemv_kernel(
     a_codes64, a_scales, a_gs, stride_a_gs,    # or, not FUSED: per-token NVFP4 codes as int64 [M, K/16], scales, S_dec
     w_codes64, w_scales, w_gs, stride_gs_e, stride_gs_n,   # weights [E, W_ROWS, K] NVFP4 (codes as int64 blocks)
     W_ROWS, pair_expert, TOPK,                 # PAIRED: output row p uses expert pair_expert[p] and x row p // TOPK
-    out, row_weight, bias, ws, counters, M, N, K,
+    out, row_weight, bias, ws, counters,
+    combined, GROUP,                           # COMBINE: combined [M / GROUP, N] = each GROUP rows of out summed
+    M, N, K,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
     FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
@@ -175,6 +177,7 @@ def _w4a4_gemv_kernel(
     TE: tl.constexpr,                          # FUSED quantization in TransformerEngine's op order
     GDC_SIGNAL: tl.constexpr,                  # let a launch after us that waits (GDC_WAIT) start now
     GDC_WAIT: tl.constexpr,                    # launched programmatically: read x only once the launch before ends
+    COMBINE: tl.constexpr,                     # PAIRED: the last finished pair of a group adds the group's rows
 ):
     """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
     memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
@@ -184,7 +187,9 @@ def _w4a4_gemv_kernel(
     all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs).
     PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
     expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
-    row_weight[p] (the router weight). GDC_WAIT: the weights (never written by the launch before) are
+    row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
+    group of GROUP to finish a column tile (a second ticket) adds the group's rows in order from 0 in fp32,
+    rounded once into combined (`triton_moe.combine`'s arithmetic, without its launch). GDC_WAIT: the weights (never written by the launch before) are
     prefetched before the grid-dependency wait, everything else is read or written after it."""
     if GDC_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -265,8 +270,20 @@ def _w4a4_gemv_kernel(
             u_c, u_s, u_c1, u_s1 = u_c1, u_s1, u_c2, u_s2
     tot = tl.trans(tl.sum(acc, axis=2))                                      # [BLOCK_N, M_PAD]
     tot_u = tl.trans(tl.sum(acc_u, axis=2))
-    _finish_tile(tot, tot_u, a_g, orow, rmask, cols, cmask, e, tile, pid_k, M * N, ws, counters, out,
-                 w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU, ROW_WEIGHT, HAS_BIAS)
+    last = _finish_tile(tot, tot_u, a_g, orow, rmask, cols, cmask, e, tile, pid_k, M * N, ws, counters, out,
+                        w_gs, stride_gs_e, stride_gs_n, row_weight, bias, N, SPLIT_K, SWIGLU, ROW_WEIGHT, HAS_BIAS)
+    if COMBINE:
+        if last:                                                  # this pair's row of the tile is stored
+            tl.debug_barrier()
+            group = pair // GROUP
+            ticket = counters + (M + group) * tl.num_programs(0) + pid_n       # after the pairs' split-K tickets
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == GROUP - 1:
+                sum_ = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for j in range(GROUP):
+                    sum_ += tl.load(out + (group * GROUP + j).to(tl.int64) * N + cols, mask=cmask, other=0.0,
+                                    cache_modifier=".cg")
+                tl.store(combined + group.to(tl.int64) * N + cols, sum_.to(combined.dtype.element_ty), mask=cmask)
+                tl.store(ticket, 0)
 
 
 # ---- split-K finish and launch helpers, shared with the packed kernel (`triton_gemm`) ----
@@ -279,7 +296,8 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
     (plane = R * N floats; SWIGLU: acc_u in ws[SPLIT_K + pid_k]); the last program of the tile
     (atomic counter) adds the SPLIT_K planes in index order, so the result is bitwise the same run
     to run, and re-zeroes the counter. Then ((acc * S_dec_a) * S_dec_w) [SwiGLU] [* row weight]
-    [+ bias] is stored as out[rows, cols]. tile: index of this output tile among the launch's tiles."""
+    [+ bias] is stored as out[rows, cols]. tile: index of this output tile among the launch's tiles.
+    Returns whether this program stored the tile."""
     omask = cmask[:, None] & rmask[None, :]
     o_off = rows.to(tl.int64)[None, :] * N + cols[:, None]
     if SPLIT_K > 1:
@@ -311,6 +329,7 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
         if HAS_BIAS:
             val = val + tl.load(bias + cols, mask=cmask, other=0.0).to(tl.float32)[:, None]
         tl.store(out + o_off, val.to(out.dtype.element_ty), mask=omask)
+    return last
 
 
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,16 +427,17 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
             x, x.stride(0), amax, 0 if amax is None or amax.numel() == 1 and scaling == "per_tensor" else 1,
             a_codes, a_scales, a_gs, stride_a_gs,
             w.codes.view(torch.int64), w.block_scales, gs, 0, 0 if gs.dim() == 0 else gs.stride(0), n, None, 1,
-            out, None, bias, ws, cnt, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
+            out, None, bias, ws, cnt, None, 1, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
             PER_TENSOR=scaling == "per_tensor", PAIRED=False, SWIGLU=False, ROW_WEIGHT=False,
-            HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", GDC_SIGNAL=False, GDC_WAIT=False, **cfg)
+            HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", GDC_SIGNAL=False, GDC_WAIT=False,
+            COMBINE=False, **cfg)
     return out
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
                       config: dict, swiglu: bool = False, row_weight: torch.Tensor | None = None,
-                      op_order: str = "vllm", signal: bool = False, wait: bool = False,
-                      use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
+                      op_order: str = "vllm", combined: torch.Tensor | None = None, signal: bool = False,
+                      wait: bool = False, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
     launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
 
@@ -425,7 +445,9 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
     swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
     multiplies each output row (the router weight). op_order: the per-token quantizer's ("vllm" or
     "te"). config: `gemv_config`'s, programs counted over all pairs (`triton_moe._moe_pairs` picks it).
-    Split-K partial sums are added in a fixed order. Programmatic dependent launch (CUDA only): signal lets
+    Split-K partial sums are added in a fixed order. combined [P / G, N] (x's dtype or fp32; out must be fp32):
+    also each G = P / combined.shape[0] consecutive rows of out added in order in fp32, rounded once (a
+    token's top-k pairs: `triton_moe.combine` with weighted=False, in the launch). Programmatic dependent launch (CUDA only): signal lets
     the next launch start early; wait launches this one so, its weights prefetched while the launch before
     ends (that launch must be the producer of x; pair_expert and row_weight older than it)."""
     p, n = out.shape
@@ -434,17 +456,22 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
         raise ValueError(f"x must be [P / topk, {k}] with unit column stride, got {tuple(x.shape)} for P={p}, topk={topk}")
     if w_rows != (2 * n if swiglu else n) or not w.codes.is_contiguous():
         raise ValueError(f"w must be contiguous [E, {2 * n if swiglu else n}, K], got {tuple(w.shape)}")
+    group = p // combined.shape[0] if combined is not None and combined.shape[0] else 1
+    if combined is not None and (out.dtype != torch.float32 or combined.shape != (p // group, n) or p % group):
+        raise ValueError(f"combined must be [P / G, {n}] beside an fp32 out, got {tuple(combined.shape)} for P={p}")
     cfg = dict(config)
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     ws = cnt = None
-    if cfg["SPLIT_K"] > 1:
-        ws, cnt = _workspace(out.device, (2 if swiglu else 1) * cfg["SPLIT_K"] * p * n, p * n_tiles)
+    if cfg["SPLIT_K"] > 1 or combined is not None:
+        ws, cnt = _workspace(out.device, (2 if swiglu else 1) * cfg["SPLIT_K"] * p * n,
+                             (p + (p // group if combined is not None else 0)) * n_tiles)
     gse, gsn = _gs_strides(w.global_scale, 3)
     if p and n:
         _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"], p)](
             x, x.stride(0), None, 0, None, None, None, 0,
             w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
-            out, row_weight, None, ws, cnt, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True,
-            SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
-            TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, **cfg, **({"launch_pdl": True} if wait else {}))
+            out, row_weight, None, ws, cnt, combined, group, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False,
+            PAIRED=True, SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
+            TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, COMBINE=combined is not None, **cfg,
+            **({"launch_pdl": True} if wait else {}))
     return out

@@ -126,18 +126,15 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, K_TOP: tl.constexpr, BLOCK_H: tl.constexpr,
-                    GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
+                    WEIGHTED: tl.constexpr):
     """out[t] = sum over slots j in order of topk_weights[t, j] * y[pos[t * K_TOP + j]], fp32, one rounding
-    (GATHER 0: row t * K_TOP + j; WEIGHTED 0: the rows added as they are, from 0 one addition at a time)."""
+    (WEIGHTED 0: the rows added as they are, from 0 one addition at a time)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(K_TOP):
-        if GATHER:
-            row = tl.load(pos_ptr + t * K_TOP + j).to(tl.int64)
-        else:
-            row = (t * K_TOP + j).to(tl.int64)
+        row = tl.load(pos_ptr + t * K_TOP + j).to(tl.int64)
         val = tl.load(y_ptr + row * H + cols, mask=m, other=0.0)
         if WEIGHTED:
             acc += tl.load(w_ptr + t * K_TOP + j).to(tl.float32) * val
@@ -146,18 +143,17 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, K_TOP: tl.constexpr, BLOC
     tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def combine(y: torch.Tensor, pos: torch.Tensor | None, topk_weights: torch.Tensor, dtype: torch.dtype, *,
+def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype, *,
             weighted: bool = True) -> torch.Tensor:
-    """y fp32 [P, H] (pairs in schedule order), pos int [P] (pair -> row of y; None: the pairs in token
-    order), topk_weights [T, k] -> [T, H] in dtype: each token's k rows times their router weights
-    (weighted False: rows that carry them already), summed in slot order, one launch."""
+    """y fp32 [P, H] (pairs in schedule order), pos int [P] (pair -> row of y), topk_weights [T, k] ->
+    [T, H] in dtype: each token's k rows times their router weights (weighted False: rows that carry
+    them already), summed in slot order, one launch (the per-pair path sums in its w2 launch)."""
     t, k = topk_weights.shape
     h = y.shape[1]
     out = torch.empty((t, h), dtype=dtype, device=y.device)
     if t:
-        _combine_kernel[(t, triton.cdiv(h, 1024))](y, y if pos is None else pos, topk_weights.contiguous(), out, h,
-                                                   K_TOP=k, BLOCK_H=1024, GATHER=pos is not None, WEIGHTED=weighted,
-                                                   num_warps=4)
+        _combine_kernel[(t, triton.cdiv(h, 1024))](y, pos, topk_weights.contiguous(), out, h, K_TOP=k, BLOCK_H=1024,
+                                                   WEIGHTED=weighted, num_warps=4)
     return out
 
 
@@ -321,10 +317,10 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
 def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, op_order: str, *, strict: bool = False, config: dict | None = None
                ) -> torch.Tensor:
-    """Decode MoE in three launches and no routing sort: one GEMV per (token, expert) pair for w13
+    """Decode MoE in two launches and no routing sort: one GEMV per (token, expert) pair for w13
     (token quantized in the launch, SwiGLU fused) and w2 (SwiGLU row quantized in the launch,
-    router weight fused), then the k pairs of each token added one by one in fp32 in slot order
-    (`combine`), rounded once. strict: batch-invariant (`triton_strict.moe`): the launch configurations
+    router weight fused; the last pair of a token to finish a column tile adds the token's k rows one
+    by one in fp32 in slot order, rounded once: `combine`'s arithmetic). strict: batch-invariant (`triton_strict.moe`): the launch configurations
     (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
     config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
     num_warps, min_programs) and pdl (`PAIRS_PDL`'s choice)."""
@@ -343,6 +339,7 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order,
                                   config=cfg13, signal=pdl)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1, row_weight=row_weight,
-                                  op_order=op_order, config=cfg2, wait=pdl)
-    return combine(y, None, topk_weights, x.dtype, weighted=False)
+                                  op_order=op_order, config=cfg2, combined=out, wait=pdl)
+    return out

@@ -242,7 +242,8 @@ def check_linear_exact() -> None:
 def check_moe_pairs(op_order: str) -> None:
     """MoE decode (one GEMV program row per (token, expert) pair, SwiGLU and router weight fused),
     split-K 1 and 2, tokens quantized in `op_order`: the SwiGLU rows within one BF16 ulp of the
-    spec's, the layer within the re-quantization error of `reference.moe`, bitwise deterministic."""
+    spec's, w2's in-launch sum of each token's rows bitwise torch's in slot order, the layer within the re-quantization
+    error of `reference.moe`, bitwise deterministic."""
     from nvfp4_sampler.kernels import reference, triton_gemv, triton_moe
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, top_k, tokens = 6, 256, 64, 4, 2
@@ -263,6 +264,17 @@ def check_moe_pairs(op_order: str) -> None:
                                      out_dtype=torch.float32)
             want = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(torch.bfloat16)[0].float()
             assert bool(((act[p].float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()), f"SwiGLU row {p}"
+        # w2 with each token's pairs combined in the launch: its rows added in slot order from 0 in fp32, one rounding
+        cfg2 = dict(triton_gemv.gemv_config(1, hidden * ids.numel(), inter), SPLIT_K=split_k)
+        rows, rows2 = (torch.empty((ids.numel(), hidden)) for _ in range(2))
+        out = torch.empty((tokens, hidden))                  # fp32 (the interpreter truncates to bf16)
+        for y, combined in ((rows, None), (rows2, out)):
+            triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=ids, topk=1, row_weight=topk_w.reshape(-1).float(),
+                                          op_order=op_order, config=cfg2, combined=combined)
+        summed = torch.zeros(tokens, hidden)
+        for j in range(top_k):
+            summed = summed + rows.view(tokens, top_k, hidden)[:, j]
+        assert torch.equal(rows, rows2) and torch.equal(out, summed), split_k
     want = reference.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order).float()
     got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, op_order=op_order)
     assert ids.numel() <= triton_moe.PAIRED_MAX_PAIRS
@@ -383,11 +395,6 @@ def check_moe_schedule_and_combine() -> None:
         got = triton_moe.combine(y, pos, w, torch.float32)
         want = (y[pos.long()].view(tokens, top_k, h) * w.float()[..., None]).sum(1)
         assert torch.allclose(got, want, rtol=top_k * 2 ** -23, atol=1e-6), (tokens, top_k, experts)
-        rows = y.view(tokens, top_k, h)                               # rows in token order, weights applied:
-        summed = torch.zeros(tokens, h)                               # added one at a time in slot order
-        for j in range(top_k):
-            summed = summed + rows[:, j]
-        assert torch.equal(triton_moe.combine(y, None, w, torch.float32, weighted=False), summed)
 
 
 def check_weight_into(op_order: str) -> None:

@@ -144,14 +144,13 @@ def test_schedule_kernel_compiles_without_spills(p_pad, e_pad):
     assert int(re.search(r"Used (\d+) registers", log).group(1)) <= 255
 
 
-@pytest.mark.parametrize("gather,weighted", [(True, True), (False, False)])
-def test_combine_kernel_compiles_without_spills(gather, weighted):
-    """`combine` as the grouped paths call it (gathered rows times router weights) and as the per-pair path
-    does (rows in token order, weights applied in w2's epilogue)."""
+@pytest.mark.parametrize("weighted", [True, False])
+def test_combine_kernel_compiles_without_spills(weighted):
+    """`combine` as the grouped paths call it (gathered rows, times router weights or carrying them)."""
     from nvfp4_sampler.kernels import triton_moe
     sig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
-           "K_TOP": "constexpr", "BLOCK_H": "constexpr", "GATHER": "constexpr", "WEIGHTED": "constexpr"}
-    _, log = _compile(triton_moe._combine_kernel, sig, dict(K_TOP=8, BLOCK_H=1024, GATHER=gather, WEIGHTED=weighted),
+           "K_TOP": "constexpr", "BLOCK_H": "constexpr", "WEIGHTED": "constexpr"}
+    _, log = _compile(triton_moe._combine_kernel, sig, dict(K_TOP=8, BLOCK_H=1024, WEIGHTED=weighted),
                       ("y_ptr", "pos_ptr", "w_ptr", "out_ptr", "H"), num_warps=4)
     assert "0 bytes spill stores" in log, log
 
@@ -159,8 +158,9 @@ def test_combine_kernel_compiles_without_spills(gather, weighted):
 @pytest.mark.parametrize("swiglu", [True, False], ids=["w13-signals", "w2-waits"])
 def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(swiglu):
     """The per-pair MoE GEMVs as `triton_moe._moe_pairs` launches them with programmatic dependent launch: w13
-    lets w2 start (launch_dependents, before any memory access), w2 issues its weight prefetch, then waits
-    (griddepcontrol.wait) before its first read of the activations and before any store or atomic; no spills."""
+    lets w2 start (launch_dependents, before any memory access), w2 (each token's pairs combined in the launch)
+    issues its weight prefetch, then waits (griddepcontrol.wait) before its first read of the activations and
+    before any store or atomic; no spills."""
     from nvfp4_sampler.kernels import triton_gemv, triton_moe
     hidden, inter, pairs = 2048, 768, 8
     n, k = (inter, hidden) if swiglu else (hidden, inter)
@@ -168,14 +168,15 @@ def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(s
     warps = cfg.pop("num_warps")
     consts = dict(cfg, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True, SWIGLU=swiglu,
                   ROW_WEIGHT=not swiglu, HAS_BIAS=False, USE_ASM=True, TE=False, GDC_SIGNAL=swiglu, GDC_WAIT=not swiglu,
-                  amax=None, a_codes64=None, a_scales=None, a_gs=None, bias=None)
+                  COMBINE=not swiglu, amax=None, a_codes64=None, a_scales=None, a_gs=None, bias=None)
     if swiglu:
-        consts["row_weight"] = None
+        consts.update(row_weight=None, combined=None, GROUP=1)
     sig = {"x": "*bf16", "stride_xm": "i32", "amax": "constexpr", "stride_amax": "i32", "a_codes64": "constexpr",
            "a_scales": "constexpr", "a_gs": "constexpr", "stride_a_gs": "i32", "w_codes64": "*i64",
            "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "W_ROWS": "i32",
            "pair_expert": "*i32", "TOPK": "i32", "out": "*bf16" if swiglu else "*fp32",
            "row_weight": "constexpr" if swiglu else "*fp32", "bias": "constexpr", "ws": "*fp32", "counters": "*i32",
+           "combined": "constexpr" if swiglu else "*bf16", "GROUP": "constexpr" if swiglu else "i32",
            "M": "i32", "N": "i32", "K": "i32"}
     sig.update({name: "constexpr" for name in consts if name not in sig})
     ptx, log = _compile(triton_gemv._w4a4_gemv_kernel, sig, consts,
