@@ -15,8 +15,8 @@ def choice(name: str, choices: tuple[str, ...]) -> str:
 
 
 def count(name: str, default: int, maximum: int) -> int:
-    """The environment's count 0..maximum for `name`; default when unset."""
+    """The environment's token count 0..maximum for `name`; default when unset."""
     value = os.environ.get(name, str(default))
     if not value.isdigit() or int(value) > maximum:
-        raise ValueError(f"{name} must be a count 0..{maximum}, got {value!r}")
+        raise ValueError(f"{name} must be a token count 0..{maximum}, got {value!r}")
     return int(value)

@@ -109,3 +109,20 @@ def test_after_warm_up_serving_compiles_no_kernel():
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
     assert compiled == [], "compiled while serving after the warm-up:\n" + "\n".join(compiled)
+
+
+def test_the_warm_up_switch_is_read_once_and_checked():
+    """NVFP4_SAMPLER_WARMUP=0 turns the warm-up off; a value other than 0 or 1 stops the import naming it
+    (`kernels.switches`, as the kernels' switches do)."""
+    import os
+    import subprocess
+    import sys
+    code = "from nvfp4_sampler.sampler_plugin import core; print(core.WARMUP)"
+    env = {k: v for k, v in os.environ.items() if k != "NVFP4_SAMPLER_WARMUP"}
+    for value, want in ((None, "True"), ("1", "True"), ("0", "False")):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env if value is None else dict(env, NVFP4_SAMPLER_WARMUP=value))
+        assert res.stdout.strip() == want, res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(env, NVFP4_SAMPLER_WARMUP="off"))
+    assert res.returncode != 0 and "NVFP4_SAMPLER_WARMUP must be one of ['1', '0'], got 'off'" in res.stderr
