@@ -189,8 +189,9 @@ def _w4a4_gemv_kernel(
     expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
     row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
     group of GROUP to finish a column tile (a second ticket) adds the group's rows in order from 0 in fp32,
-    rounded once into combined (`triton_moe.combine`'s arithmetic, without its launch). GDC_WAIT: the weights (never written by the launch before) are
-    prefetched before the grid-dependency wait, everything else is read or written after it."""
+    rounded once into combined (`triton_moe.combine`'s arithmetic, without its launch). GDC_WAIT: the
+    weights (never written by the launch before) are prefetched before the grid-dependency wait,
+    everything else is read or written after it."""
     if GDC_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -445,11 +446,12 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
     swiglu: W_ROWS = 2N (gate rows, then up rows), out = silu(gate) * up. row_weight fp32 [P]
     multiplies each output row (the router weight). op_order: the per-token quantizer's ("vllm" or
     "te"). config: `gemv_config`'s, programs counted over all pairs (`triton_moe._moe_pairs` picks it).
-    Split-K partial sums are added in a fixed order. combined [P / G, N] (x's dtype or fp32; out must be fp32):
-    also each G = P / combined.shape[0] consecutive rows of out added in order in fp32, rounded once (a
-    token's top-k pairs: `triton_moe.combine` with weighted=False, in the launch). Programmatic dependent launch (CUDA only): signal lets
-    the next launch start early; wait launches this one so, its weights prefetched while the launch before
-    ends (that launch must be the producer of x; pair_expert and row_weight older than it)."""
+    Split-K partial sums are added in a fixed order. combined [P / G, N] (x's dtype or fp32; out must be
+    fp32): also each G = P / combined.shape[0] consecutive rows of out added in order in fp32, rounded once
+    (a token's top-k pairs, as `triton_moe.combine` with weighted=False would, in the launch). Programmatic
+    dependent launch (CUDA only): signal lets the next launch start early; wait launches this one so, its
+    weights prefetched while the launch before ends (that launch must be the producer of x; pair_expert and
+    row_weight older than it)."""
     p, n = out.shape
     e, w_rows, k = w.shape
     if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
