@@ -458,15 +458,17 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
         raise ValueError(f"x must be [P / topk, {k}] with unit column stride, got {tuple(x.shape)} for P={p}, topk={topk}")
     if w_rows != (2 * n if swiglu else n) or not w.codes.is_contiguous():
         raise ValueError(f"w must be contiguous [E, {2 * n if swiglu else n}, K], got {tuple(w.shape)}")
-    group = p // combined.shape[0] if combined is not None and combined.shape[0] else 1
-    if combined is not None and (out.dtype != torch.float32 or combined.shape != (p // group, n) or p % group):
+    groups = 0 if combined is None else combined.shape[0]
+    group = p // groups if groups else 1
+    if combined is not None and (out.dtype != torch.float32 or combined.shape != (groups, n) or groups * group != p):
         raise ValueError(f"combined must be [P / G, {n}] beside an fp32 out, got {tuple(combined.shape)} for P={p}")
     cfg = dict(config)
+    split_k = cfg["SPLIT_K"]
     n_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     ws = cnt = None
-    if cfg["SPLIT_K"] > 1 or combined is not None:
-        ws, cnt = _workspace(out.device, (2 if swiglu else 1) * cfg["SPLIT_K"] * p * n,
-                             (p + (p // group if combined is not None else 0)) * n_tiles)
+    if split_k > 1 or combined is not None:         # planes for split-K only; tickets: the pairs', the groups'
+        ws, cnt = _workspace(out.device, (2 if swiglu else 1) * split_k * p * n if split_k > 1 else 0,
+                             (p + groups) * n_tiles)
     gse, gsn = _gs_strides(w.global_scale, 3)
     if p and n:
         _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"], p)](
