@@ -333,14 +333,15 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
     return last
 
 
-def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, all
     written before they are read; from torch's caching allocator, so a CUDA graph captures buffers that
-    stay valid on replay) and n_tiles zeroed int32 tile counters: the device's tickets where the backend's
-    load-time `prepare` allocated them (`cuda_mma.tickets`: no fill kernel per launch; the last program of
-    a tile re-zeroes its counter), else a zeroed buffer of this launch (the CPU interpreter, tests)."""
+    stay valid on replay; None for n_acc 0: tickets only) and n_tiles zeroed int32 tile counters: the
+    device's tickets where the backend's load-time `prepare` allocated them (`cuda_mma.tickets`: no fill
+    kernel per launch; the last program of a tile re-zeroes its counter), else a zeroed buffer of this
+    launch (the CPU interpreter, tests)."""
     shared = cuda_mma.tickets(device.index, allocate=False) if device.type == "cuda" else None
-    return (torch.empty(n_acc, dtype=torch.float32, device=device),
+    return (torch.empty(n_acc, dtype=torch.float32, device=device) if n_acc else None,
             shared if shared is not None and shared.numel() >= n_tiles
             else torch.zeros(n_tiles, dtype=torch.int32, device=device))
 
