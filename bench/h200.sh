@@ -137,6 +137,10 @@ step() {   # step NAME: its timeout (s) and command
     # the whole model; the trainer's 48 BF16 layers alias 12 layers' storage (~15 GB), so that it fits an H100 too
     bench_sync_planned) limit=575; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
                               --distinct-layers 12 --bucket-mib 2048 --out $OUT/bench_sync_planned.json" ;;
+    # the whole model with every trainer layer's BF16 storage its own (~61 GB beside the sampler's ~17 GB and the
+    # buckets: more than an H100's 80 GB, so an H200 only: needs_h200)
+    bench_sync_whole) limit=575; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --profile
+                              --bucket-mib 2048 --out $OUT/bench_sync_whole.json" ;;
     # the same with every commit of the sidecar under the torch profiler: where the commit's time goes
     bench_sync_commit_profile) limit=575; cmd="python3 bench/bench_sync.py --paths planned --layers 48 --repeats 1
                               --distinct-layers 12 --bucket-mib 2048 --profile-commits $OUT/commits
