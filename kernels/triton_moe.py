@@ -323,15 +323,16 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     by one in fp32 in slot order, rounded once: `combine`'s arithmetic). strict: batch-invariant (`triton_strict.moe`): the launch configurations
     (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
     config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
-    num_warps, min_programs) and pdl (`PAIRS_PDL`'s choice)."""
+    num_warps, min_programs), "w2": such keywords for w2's launch alone, and pdl (`PAIRS_PDL`'s choice)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     pairs = (1 if strict else t) * k               # programs counted over all pairs (one token's in strict)
     over = {"block_b": 8, "min_programs": PAIRS_MIN_PROGRAMS, **(config or {})}
     pdl = over.pop("pdl", PAIRS_PDL) and x.is_cuda
+    only2 = over.pop("w2", {})
     cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
-    cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **over)
+    cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **{**over, **only2})
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     row_weight = topk_weights.reshape(-1).float()          # before w13's launch: w2's may start before it ends
     x = x if x.stride(-1) == 1 else x.contiguous()
