@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: venv venv-sglang demo test test-gpu bench clean
+.PHONY: venv venv-sglang demo test test-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

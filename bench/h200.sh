@@ -45,11 +45,9 @@ step() {   # step NAME: its timeout (s) and command
     # then the 150 s limit cut the summary)
     mma)       limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
     mma_wgmma) limit=300; cmd="env NVFP4_SAMPLER_MMA=wgmma python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
-    # the cluster form in a step of its own: a fault there (a sticky CUDA error) leaves the others' results whole
+    # every launch with the split-K through clusters pulled by its owners (the default pushes where it fits), in a
+    # step of its own: a fault there (a sticky CUDA error) leaves the others' results whole
     mma_cluster) limit=300; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu
-                              tests/test_gpu_mma_cluster.py tests/test_gpu_mma.py" ;;
-    # every launch with the split-K pulled by its owners (the default pushes where it fits), beside the others
-    mma_pulled) limit=300; cmd="env NVFP4_SAMPLER_SPLIT_K=cluster python3 -m pytest -q -rA -m gpu
                               tests/test_gpu_mma_cluster.py tests/test_gpu_mma.py" ;;
     # the dense linears on the activation's exact FP16 rows (the default stages its codes and block scales)
     mma_rows) limit=420; cmd="env NVFP4_SAMPLER_X_CODES=0 python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py

@@ -38,15 +38,6 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, leaf
 
 
-def linear_leaf(name: str) -> str | None:
-    """The linear's leaf ("q_proj", ...) if `name` is the weight or bias of a known linear, else None."""
-    prefix, leaf = split_name(name)
-    if leaf not in (WEIGHT, "bias"):
-        return None
-    module = prefix.rpartition(".")[2]
-    return module if module in LINEARS else None
-
-
 def quantized_specs(prefix: str, n: int, k: int) -> dict[str, TensorSpec]:
     """The three checkpoint tensors of quantized linear `prefix` with a logical weight [n, k]."""
     try:

@@ -94,7 +94,7 @@ CLUSTER_MAX_S = 8         # the portable cluster size
 # Dense linears hand the kernel the activation's 4-bit codes and block scales (`triton_quant.quantize_per_token`)
 # instead of its exact FP16 rows (the .cu file's X_CODES): each CTA stages 3.5x fewer bytes from L2 (at M = 16
 # the 8B gate_up launch's CTAs read 12.7 MB of activations against 56.6 MB of weights) and decodes them as it
-# stages. The same bits. The default ("0": the rows): H100 (2026-12-06, bench_decode_8b, linear = quantizer +
+# stages. The same bits. The default ("1"; "0": the rows): H100 (2026-12-06, bench_decode_8b, linear = quantizer +
 # kernel, us rows / codes) 8B qkv, o, gate_up, down at M = 16: 13.2 / 12.2, 11.6 / 11.4, 32.1 / 30.3, 21.0 / 19.5;
 # faster or tied at all 16 points of M = 1, 16, 32, 64
 X_CODES = switches.choice("NVFP4_SAMPLER_X_CODES", ("1", "0")) == "1"

@@ -188,7 +188,7 @@ def _w4a4_gemv_kernel(
     PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
     expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
     row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
-    group of GROUP to finish a column tile (a second ticket) adds the group's rows in order from 0 in fp32,
+    group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the group's rows in order from 0 in fp32,
     rounded once into combined (`triton_moe.combine`'s arithmetic, without its launch). GDC_WAIT: the
     weights (never written by the launch before) are prefetched before the grid-dependency wait,
     everything else is read or written after it."""
@@ -334,7 +334,7 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
 
 
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, all
+    """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, twice that for SwiGLU's two halves; all
     written before they are read; from torch's caching allocator, so a CUDA graph captures buffers that
     stay valid on replay; None for n_acc 0: tickets only) and n_tiles zeroed int32 tile counters: the
     device's tickets where the backend's load-time `prepare` allocated them (`cuda_mma.tickets`: no fill

@@ -4,8 +4,8 @@ Decode (T * k <= PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight wit
 program row per (token, expert) pair, activations quantized inside the launches.
 Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it):
 `_moe_tiled`, the tensor-core kernel of the dense decode over 8-row (16 from MMA_WIDE_PAIRS) tiles of
-each expert's rows, each active expert's weights read once per tile, in six launches (`schedule_rows`,
-two quantizers, two GEMMs, `combine`) (H200, Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64
+each expert's rows, each active expert's weights read once per tile, in six launches of ours (`schedule_rows`,
+two quantizers, two GEMMs, `combine`; torch's `order // k` beside them) (H200, Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64
 tokens 204 us, 2.6x / 2.4x the BF16 grouped GEMM, before the 8-chunk slice). Larger batches ("exact"):
 the same steps with a Triton FP16 tensor-core GEMM over 64-row tiles, the codes decoded in it (up to
 EXACT_CODES_MAX_PAIRS) or the experts dequantized to exact FP16 (`triton_gemm.launch_exact`), the SwiGLU
@@ -263,7 +263,7 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
                topk_ids: torch.Tensor, op_order: str, *, gemm: str = "mma", nt: int | None = None,
                cps: int | None = None, wgmma: bool | None = None, cluster: bool | None = None,
                push: bool | None = None, config: dict | None = None) -> torch.Tensor:
-    """MoE over tiles of each expert's rows, exact products, in six launches: the (token, slot) pairs
+    """MoE over tiles of each expert's rows, exact products, in six launches of ours: the (token, slot) pairs
     sorted by expert (`schedule_rows`), x's rows quantized in that order into exact values (a token's k
     rows alike), w13 into fp32 [P, 2I], SwiGLU in fp32 rounded to x's dtype and quantized per row in one
     pass, w2 into fp32 [P, H], each token's k rows times their router weights summed in slot order
@@ -272,9 +272,10 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     slice, which changes the summation order; wgmma: of `cuda_mma.WGMMA`, the kernel's warpgroup-MMA variant; cluster: of
     `cuda_mma.CLUSTER`, split-K through thread-block clusters, push: pushed to the owners (grouped launches pull
     by default), every bit the same) or "exact"
-    (`triton_gemm.launch_exact` over tiles of EXACT_GROUPED rows against the experts dequantized to exact
-    FP16 for the call, SwiGLU in w13's epilogue (the same operations, no fp32 [P, 2I]): larger batches;
-    config: a benchmark override of EXACT_GROUPED, e.g. W_CODES to decode the codes inside the GEMM).
+    (`triton_gemm.launch_exact` over tiles of config's BLOCK_M rows, SwiGLU in w13's epilogue (the same
+    operations, no fp32 [P, 2I]): larger batches; config: `exact_config`'s choice for the pair count (the
+    codes decoded inside the GEMM up to EXACT_CODES_MAX_PAIRS, the experts dequantized to exact FP16 for the
+    call beyond), EXACT_GROUPED if None).
     Deterministic: fixed split-K order, a stable sort."""
     if gemm == "mma" and not mma_fits(x, w13, w2):
         raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights with N % 16 == 0, K % 128 == 0 on a "

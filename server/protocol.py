@@ -241,10 +241,6 @@ class DiagnosticsResponse(BaseModel):
     weight_summary: dict[str, dict[str, float]]
 
 
-class ErrorBody(BaseModel):
-    detail: str
-
-
 # --------------------------------------------------------------------------- binary log-probs
 # little-endian: magic b"NVLP", uint32 n_seqs, uint32 top_k, int64 weight_version, uint32 T[n_seqs],
 # float32 logprobs[sum T], then if top_k: int32 top_ids[sum T * top_k], float32 top_logprobs[sum T * top_k]

@@ -1,4 +1,5 @@
-"""Sidecar settings: the only place that reads environment variables (NVFP4_SAMPLER_*) and flags.
+"""Sidecar settings: where the sidecar reads its environment variables (NVFP4_SAMPLER_*) and flags (the
+kernels' switches: `kernels/switches.py`).
 
 Flags override environment variables, which override defaults. A non-loopback bind without a token
 is refused: mutating routes would be open to the network.
