@@ -2,9 +2,10 @@
 tiny Qwen3-MoE, online quantization, as TRL's and verl's colocate modes run vLLM) updated from a
 trainer's BF16 state dict through the planned entries, no sidecar, no file.
 
-Asserted bitwise on prompt log-probs: a refit to the seed-1 weights equals the worker extension's
-update from the same BF16 tensors (`nvfp4_apply_update`, quantized on arrival, itself tested against
-fresh engines in tests/test_vllm_moe.py); a refit back to seed 0 restores the start; a NaN in one
+Asserted bitwise on prompt log-probs: a refit to the seed-1 weights changes them, a refit back to seed 0
+restores the start, and the worker extension's update from the seed-1 BF16 tensors (`nvfp4_apply_update`,
+quantized on arrival, itself tested against fresh engines in tests/test_vllm_moe.py) then equals the
+refit's seed-1 log-probs; a NaN in one
 trainer tensor raises InvalidSource and leaves the serving weights as they were; fused entries, not
 checkpoint tensors, are written, each NVFP4 one whole (no per-tensor fallback).
 Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m pytest -q tests/test_colocated.py
@@ -66,18 +67,20 @@ def test_refit_equals_the_extension_restores_and_refuses_nan(llm, ckpts):
     assert report["per_tensor_entries"] == []                              # every NVFP4 entry written whole
     seed_1 = prompt_logprobs(llm, ids)
     assert not torch.equal(seed_1, start)
-    llm.collective_rpc("nvfp4_apply_update", args=(str(ckpts[1] / "model.safetensors"), 2))
-    assert torch.equal(prompt_logprobs(llm, ids), seed_1)                 # the same weights either way
 
     old_state = _state(ckpts[0])
     old = ColocatedRefit(llm, old_state, config=_config(ckpts[0]))
-    old.update(3)
-    assert torch.equal(prompt_logprobs(llm, ids), start)
+    old.update(2)
+    assert torch.equal(prompt_logprobs(llm, ids), start)                  # back to seed 0
+
+    llm.collective_rpc("nvfp4_apply_update", args=(str(ckpts[1] / "model.safetensors"), 3))
+    assert torch.equal(prompt_logprobs(llm, ids), seed_1)                 # the same weights either way
+    assert llm.collective_rpc("nvfp4_weight_version") == [3]
 
     name = next(n for n in old_state if n.endswith("mlp.experts.3.down_proj.weight"))
     old_state[name][1, 2] = float("nan")                                   # the trainer's live tensor
     with pytest.raises(InvalidSource, match="NaN or Inf"):
         old.update(4)
-    assert torch.equal(prompt_logprobs(llm, ids), start)
+    assert torch.equal(prompt_logprobs(llm, ids), seed_1)                 # the serving weights untouched
     assert llm.collective_rpc("nvfp4_weight_version") == [3]
 

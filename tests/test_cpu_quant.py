@@ -130,9 +130,13 @@ def test_independent_of_the_default_dtype(default_dtype):
     assert_same(got, want)
 
 
-def test_dispatch_quantizes_cpu_weights_with_it():
+def test_dispatch_quantizes_cpu_weights_with_it(monkeypatch):
+    """The dispatcher runs this quantizer (not the reference, which gives the same bits) on CPU weights."""
     w = torch.randn(64, 256).to(torch.bfloat16)
-    assert_same(dispatch.quantize_weight_on(w, recipe="2d"), cpu_quant.quantize_weight(w, recipe="2d"))
+    calls, real = [], cpu_quant.quantize_weight
+    monkeypatch.setattr(cpu_quant, "quantize_weight", lambda *a, **k: calls.append(k) or real(*a, **k))
+    assert_same(dispatch.quantize_weight_on(w, recipe="2d"), reference.quantize_weight(w, recipe="2d"))
+    assert len(calls) == 1 and calls[0]["recipe"] == "2d"
 
 
 def test_infinite_amax_is_refused():

@@ -71,7 +71,10 @@ def test_cli_live_against_the_sampler(srv, model_dir, tmp_path, request):
     assert m["mean_abs_gap"] < GAP_BOUND[engine], m
     assert all((out / f).stat().st_size > 5000 for f in ("gap_hist.png", "tail_depth.png", "directions.png"))
     again = report["sampler_recompute"]                  # both engines' sidecars serve /v1/logprobs
-    assert again["tokens"] == m["tokens"] and 0 <= again["equal_share"] <= 1 and again["max_abs"] >= 0
+    # decode against the same engine's teacher-forced recomputation (concurrent requests: mixed batches) is
+    # no farther than the learner is: the embedded engine measured 0.011 apart (its padded batch)
+    assert again["tokens"] == m["tokens"] and again["mean_abs"] < GAP_BOUND[engine], again
+    assert (again["equal_share"] == 1) == (again["max_abs"] == 0), again
     ops = json.loads((out / "operators.json").read_text())
     first = ops["model.layers.0.self_attn.q_proj"]
     assert all(r["act_code_mismatch"] == 0 and r["input_rel_err"] == 0 for r in first)
