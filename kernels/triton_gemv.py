@@ -188,10 +188,10 @@ def _w4a4_gemv_kernel(
     PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
     expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
     row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
-    group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the group's rows in order from 0 in fp32,
-    rounded once into combined (`triton_moe.combine`'s arithmetic, without its launch). GDC_WAIT: the
-    weights (never written by the launch before) are prefetched before the grid-dependency wait,
-    everything else is read or written after it."""
+    group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the
+    group's rows in order from 0 in fp32, rounded once into combined (`triton_moe.combine`'s arithmetic,
+    without its launch). GDC_WAIT: the weights (never written by the launch before) are prefetched before
+    the grid-dependency wait, everything else is read or written after it."""
     if GDC_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -334,12 +334,12 @@ def _finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, tile, pid_k, plan
 
 
 def _workspace(device: torch.device, n_acc: int, n_tiles: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, twice that for SwiGLU's two halves; all
-    written before they are read; from torch's caching allocator, so a CUDA graph captures buffers that
-    stay valid on replay; None for n_acc 0: tickets only) and n_tiles zeroed int32 tile counters: the
-    device's tickets where the backend's load-time `prepare` allocated them (`cuda_mma.tickets`: no fill
-    kernel per launch; the last program of a tile re-zeroes its counter), else a zeroed buffer of this
-    launch (the CPU interpreter, tests)."""
+    """Split-K buffers of one launch: fp32 partial-sum planes (n_acc = SPLIT_K * R * N floats, twice that
+    for SwiGLU's two halves; all written before they are read; from torch's caching allocator, so a CUDA
+    graph captures buffers that stay valid on replay; None for n_acc 0: tickets only) and n_tiles zeroed
+    int32 tile counters: the device's tickets where the backend's load-time `prepare` allocated them
+    (`cuda_mma.tickets`: no fill kernel per launch; the last program of a tile re-zeroes its counter), else
+    a zeroed buffer of this launch (the CPU interpreter, tests)."""
     shared = cuda_mma.tickets(device.index, allocate=False) if device.type == "cuda" else None
     return (torch.empty(n_acc, dtype=torch.float32, device=device) if n_acc else None,
             shared if shared is not None and shared.numel() >= n_tiles
@@ -472,7 +472,7 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
                              (p + groups) * n_tiles)
     gse, gsn = _gs_strides(w.global_scale, 3)
     if p and n:
-        _w4a4_gemv_kernel[(n_tiles, cfg["SPLIT_K"], p)](
+        _w4a4_gemv_kernel[(n_tiles, split_k, p)](
             x, x.stride(0), None, 0, None, None, None, 0,
             w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
             out, row_weight, None, ws, cnt, combined, group, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False,

@@ -4,12 +4,13 @@ Decode (T * k <= PAIRED_MAX_PAIRS): `_moe_pairs`, one GEMV launch per weight wit
 program row per (token, expert) pair, activations quantized inside the launches.
 Larger decode batches (T * k <= MMA_MAX_PAIRS, where `cuda_mma` runs and the shapes fit it):
 `_moe_tiled`, the tensor-core kernel of the dense decode over 8-row (16 from MMA_WIDE_PAIRS) tiles of
-each expert's rows, each active expert's weights read once per tile, in six launches of ours (`schedule_rows`,
-two quantizers, two GEMMs, `combine`; torch's `order // k` beside them) (H200, Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64
-tokens 204 us, 2.6x / 2.4x the BF16 grouped GEMM, before the 8-chunk slice). Larger batches ("exact"):
-the same steps with a Triton FP16 tensor-core GEMM over 64-row tiles, the codes decoded in it (up to
-EXACT_CODES_MAX_PAIRS) or the experts dequantized to exact FP16 (`triton_gemm.launch_exact`), the SwiGLU
-fused into w13's epilogue. The grouped packed GEMM below where neither fits
+each expert's rows, each active expert's weights read once per tile, in six launches of ours
+(`schedule_rows`, two quantizers, two GEMMs, `combine`; torch's `order // k` beside them) (H200,
+Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64 tokens 204 us, 2.6x / 2.4x the BF16 grouped
+GEMM, before the 8-chunk slice). Larger batches ("exact"): the same steps with a Triton FP16 tensor-core
+GEMM over 64-row tiles, the codes decoded in it (up to EXACT_CODES_MAX_PAIRS) or the experts
+dequantized to exact FP16 (`triton_gemm.launch_exact`), the SwiGLU fused into w13's epilogue. The
+grouped packed GEMM below where neither fits
 (steps all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
                 BLOCK_M-row tiles, each tile inside one expert (`schedule_rows`)
