@@ -1,21 +1,25 @@
 """Colocated weight sync into a real vLLM engine (issue 20: the whole Qwen3-30B-A3B in <= 1.0 s, as verl
 and TRL colocate run vLLM), nvfp4_sampler vs a BF16 engine, side by side in one run.
 
-A random BF16 Qwen3-30B-A3B-shaped checkpoint with --layers of its 48 layers is built on the GPU
-(`testing/checkpoints.py`). One process per engine, each with the engine core in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) and the trainer's state beside it on the same GPU: the checkpoint's
-tensors, perturbed (x (1 + 2^-6)) so that every update writes new values. Per path, a first update, then
-the median of --repeats (each timed to a device synchronisation):
+No BF16 checkpoint touches the disk (the whole model's would not fit the device's): the nvfp4_sampler
+engine loads a pre-quantized placeholder checkpoint of the shapes (~17 GB at 48 layers,
+`bench_sync.write_nvfp4_folder`), the BF16 engine vLLM's dummy weights (`load_format="dummy"`, config.json
+only). One process per engine, each with the engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
+the trainer's state beside it on the same GPU, built there after the engine (`bench_sync.model_tensors`:
+random BF16 in transformers-5 form, experts fused), so every update writes new values. Per path, a first
+update, then the median of --repeats (each timed to a device synchronisation):
   nvfp4 colocated      `server.colocated.ColocatedRefit.update`: planned fused entries quantized into
                        buffers on the trainer's GPU, one NaN/Inf check, one copy per tensor kind per entry
-  nvfp4 load_weights   `model.load_weights(state.items())` on the nvfp4_sampler engine (TRL's and verl's
-                       call; each tensor quantized on arrival by its weight loader)
+  nvfp4 load_weights   `model.load_weights(...)` on the nvfp4_sampler engine (TRL's and verl's call, with
+                       the checkpoint's per-expert names; each tensor quantized on arrival by its loader)
   bf16 load_weights    the same call on a BF16 engine: what colocated RL refits today
-Seconds are scaled x48/layers to the whole model (embeddings and lm_head counted once per layer count
-here, so slightly over-scaled).
+Seconds are scaled x48/--layers to the whole model (embeddings and lm_head counted once per layer count
+here, so slightly over-scaled below 48). Memory: the BF16 process holds the model twice (engine and
+trainer, ~123 GB at 48 layers: an H200), the nvfp4 one the trainer's BF16, the engine's NVFP4 and the
+refit's buffers (~95 GB); 24 layers fit an 80 GB GPU.
 
     python3 bench/bench_sync_vllm.py [--layers 8] [--repeats 3] [--out FILE.json]
-(on the H200: `bash bench/h200.sh bench_sync_vllm`)
+(on the device: `bash bench/h200.sh bench_sync_vllm`, `bench_sync_vllm_24`, `bench_sync_vllm_whole`)
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,34 +39,59 @@ FULL_LAYERS = 48
 EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 
 
-def _timed(fn) -> float:
+QUICK = {"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 512}   # --quick: the script checked on the CPU
+
+
+def _sync() -> None:
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    _sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t
 
 
-def worker(ckpt: str, quant: str, repeats: int, out: str) -> None:
+def engine_folders(cfg: dict, tmp: Path) -> dict[str, Path]:
+    """What each engine starts from: a pre-quantized placeholder checkpoint (nvfp4_sampler) and a folder
+    holding config.json only (BF16, dummy weights)."""
+    from bench.bench_sync import write_nvfp4_folder
+
+    bf16 = tmp / "bf16"
+    bf16.mkdir()
+    (bf16 / "config.json").write_text(json.dumps(cfg, indent=2))
+    return {"nvfp4_sampler": write_nvfp4_folder(cfg, tmp / "nvfp4"), "bf16": bf16}
+
+
+def worker(folder: str, quant: str, repeats: int, out: str) -> None:
     """One engine: time every path it serves, write {path: {"first", "median", "runs"}} to `out`."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    sys.path.insert(0, str(ROOT))
     import torch
-    from safetensors.torch import load_file
     from vllm import LLM
 
-    llm = LLM(ckpt, quantization=None if quant == "bf16" else quant, dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=256, kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.9, enforce_eager=True,
-              enable_prefix_caching=False, seed=0, worker_extension_cls=EXTENSION)
+    from bench.bench_sync import model_tensors
+    from nvfp4_sampler.converters import name_map
+
+    cuda = torch.cuda.is_available()
+    gpu = dict(kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.9) if cuda else {}
+    llm = LLM(folder, quantization=None if quant == "bf16" else quant, load_format="dummy" if quant == "bf16" else "auto",
+              dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
+              enable_prefix_caching=False, seed=0, worker_extension_cls=EXTENSION, **gpu)
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    state = load_file(str(Path(ckpt) / "model.safetensors"), device="cuda")
-    for t in state.values():
-        t.mul_(1 + 2 ** -6)
-    config = json.loads((Path(ckpt) / "config.json").read_text())
-    paths = {f"{'bf16' if quant == 'bf16' else 'nvfp4'} load_weights": lambda: model.load_weights(list(state.items()))}
-    result: dict = {"tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+    config = json.loads((Path(folder) / "config.json").read_text())
+    state = model_tensors(config, "cuda" if cuda else "cpu")
+    # load_weights takes checkpoint names (one tensor per expert): views of the trainer's fused tensors
+    named = [(m.name, t if m.index is None else t[m.index])
+             for n, t in state.items() for m in name_map.expand(n, tuple(t.shape))]
+    paths = {f"{'bf16' if quant == 'bf16' else 'nvfp4'} load_weights": lambda: model.load_weights(named)}
+    result: dict = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
     if quant != "bf16":
         from nvfp4_sampler.server.colocated import ColocatedRefit
 
@@ -87,33 +117,44 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="check of the script: 1 layer, 8 experts, 1 repeat (CPU: the "
+                    "nvfp4_sampler engine only)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", nargs=3, metavar=("CKPT", "QUANT", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=3, metavar=("FOLDER", "QUANT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.repeats, args.worker[2])
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU (vLLM's CUDA build)", file=sys.stderr)
+    if not (torch.cuda.is_available() or args.quick):
+        print("needs a CUDA GPU (vLLM's CUDA build); --quick checks the script on the CPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
-    from nvfp4_sampler.testing.checkpoints import build
+    from nvfp4_sampler.testing import manifests
 
-    results: dict = {"device": torch.cuda.get_device_name(), "layers": args.layers, "engines": {}}
+    cfg = {**manifests.QWEN3_30B_A3B, "num_hidden_layers": args.layers}
+    if args.quick:
+        cfg, args.layers, args.repeats = cfg | QUICK, 1, 1
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()}"
+    results: dict = {"device": device, "layers": args.layers, "engines": {}}
     with tempfile.TemporaryDirectory(prefix="bench-sync-vllm-") as tmp:
-        ckpt = build(Path(tmp) / "ckpt", "qwen3-30b-a3b", seed=0, layers=args.layers)
-        torch.cuda.empty_cache()
-        for quant in ("nvfp4_sampler", "bf16"):
+        t0 = time.perf_counter()
+        folders = engine_folders(cfg, Path(tmp))
+        print(f"engine folders written in {time.perf_counter() - t0:.1f} s", flush=True)
+        if not torch.cuda.is_available():       # vLLM's CPU build repacks BF16 linears at load, dropping weight_loader
+            print("CPU: the BF16 engine's load_weights cannot run on vLLM's CPU build; nvfp4_sampler only", flush=True)
+            del folders["bf16"]
+        for quant, folder in folders.items():
             out = Path(tmp) / f"{quant}.json"
-            proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--worker", str(ckpt),
+            proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--worker", str(folder),
                                    quant, str(out)], cwd=ROOT, capture_output=True, text=True)
             results["engines"][quant] = json.loads(out.read_text()) if out.exists() else {}
             if proc.returncode:
                 results["engines"][quant]["error"] = proc.stderr[-3000:]
             if args.out:
                 Path(args.out).write_text(json.dumps(results, indent=1))
+            shutil.rmtree(folder)                                          # its engine has loaded it
     scale = FULL_LAYERS / args.layers
     print(f"\ncolocated weight sync, {results['device']}, Qwen3-30B-A3B shape, {args.layers} of 48 layers, "
           f"in-process engines, seconds per update (median of {args.repeats} after a first)")

@@ -57,7 +57,10 @@ step() {   # step NAME: its timeout (s) and command
     bench_linear) limit=540; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json $OUT/bench_linear.json" ;;
     bench_sync_vllm) limit=480; cmd="python3 bench/bench_sync_vllm.py --layers 8 --out $OUT/bench_sync_vllm.json" ;;
     bench_sync_vllm_24) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
-                              --out $OUT/bench_sync_vllm_24.json" ;;   # 30 GB checkpoint: 48 layers exceed the disk
+                              --out $OUT/bench_sync_vllm_24.json" ;;   # fits an 80 GB GPU
+    # the whole model: the BF16 engine's process holds it twice (~123 GB): an H200 only (needs_h200)
+    bench_sync_vllm_whole) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 48 --repeats 2
+                              --out $OUT/bench_sync_vllm_whole.json" ;;
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;
     # the learner on the CPU did not finish the default run in 300 s (H100 sixteenth) nor in ~500 s with half the
     # tokens (seventeenth, 590 s + the install cut the 600 s call); it runs on the GPU now. 540 s: the call's 600 s

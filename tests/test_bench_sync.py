@@ -1,10 +1,14 @@
 """bench/bench_sync.py's planned mode, the parts that need no GPU: the manifest and plan of the
-Qwen3-30B-A3B shape, the timing table, and a small planned run on the CPU whose sidecar profiles its commits."""
+Qwen3-30B-A3B shape, the timing table, and a small planned run on the CPU whose sidecar profiles its commits;
+bench/bench_sync_vllm.py's colocated refit of a vLLM CPU engine (one layer)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench import bench_sync as bs
 from nvfp4_sampler.server.plan import TransferPlan
@@ -40,3 +44,17 @@ def test_planned_run_profiles_the_sidecars_commits(tmp_path):
     assert [t.name for t in tables] == ["commit-1.txt", "commit-2.txt"]     # the first update and one repeat
     assert "aten::_foreach_copy_" in tables[-1].read_text()
     assert "the last commit's operators and kernels" in res.stdout and "aten::_foreach_copy_" in res.stdout
+
+
+@pytest.mark.engine
+def test_colocated_vllm_bench_runs_on_the_cpu(tmp_path):
+    """bench/bench_sync_vllm.py --quick: the nvfp4_sampler engine from the pre-quantized placeholder checkpoint, the
+    trainer's fused BF16 state built beside it, the colocated refit and load_weights with per-expert names timed."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, "bench/bench_sync_vllm.py", "--quick", "--out", str(out)], cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    nv = json.loads(out.read_text())["engines"]["nvfp4_sampler"]
+    assert nv["colocated_entries"] == 12 and nv["colocated_report"]["version"] == 2    # a first update and one repeat
+    assert len(nv["nvfp4 load_weights"]["runs"]) == 2 and "| nvfp4 colocated |" in res.stdout
