@@ -37,8 +37,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FULL_LAYERS = 48
 EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
-
-
 QUICK = {"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 512}   # --quick: the script checked on the CPU
 
 
