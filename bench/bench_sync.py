@@ -121,7 +121,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(device: str, fn) -> float:
+def timed(device: str, fn) -> float:
+    """Seconds of fn() between two synchronisations of device."""
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -139,8 +140,8 @@ def bandwidths(state: dict[str, torch.Tensor], device: str) -> dict[str, float]:
     convert = lambda: [None for _ in iter_buckets(src, ConvertOptions(report=False, bucket_bytes=512 << 20))]  # noqa: E731
     copy(), convert()                                                                  # warm-up (kernel compilation)
     out = {"linear_bf16_bytes": sum(t.numel() * 2 for t in linears.values()),
-           "copy_s": min(_timed(device, copy) for _ in range(3)),
-           "convert_s": min(_timed(device, convert) for _ in range(3))}
+           "copy_s": min(timed(device, copy) for _ in range(3)),
+           "convert_s": min(timed(device, convert) for _ in range(3))}
     del dst
     total = sum(t.numel() * t.element_size() for t in state.values())
     host = torch.empty(total, dtype=torch.uint8, pin_memory=device.startswith("cuda"))
@@ -151,7 +152,7 @@ def bandwidths(state: dict[str, torch.Tensor], device: str) -> dict[str, float]:
             n = t.numel() * t.element_size()
             host[off:off + n].copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
             off += n
-    out |= {"all_bytes": total, "d2h_s": min(_timed(device, d2h) for _ in range(2))}
+    out |= {"all_bytes": total, "d2h_s": min(timed(device, d2h) for _ in range(2))}
     return out
 
 

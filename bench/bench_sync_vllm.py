@@ -6,8 +6,9 @@ engine loads a pre-quantized placeholder checkpoint of the shapes (~17 GB at 48 
 `bench_sync.write_nvfp4_folder`), the BF16 engine vLLM's dummy weights (`load_format="dummy"`, config.json
 only). One process per engine, each with the engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and
 the trainer's state beside it on the same GPU, built there after the engine (`bench_sync.model_tensors`:
-random BF16 in transformers-5 form, experts fused), so every update writes new values. Per path, a first
-update, then the median of --repeats (each timed to a device synchronisation):
+random BF16 in transformers-5 form, experts fused), so the first update changes every value (the repeats write
+the same values again, as before). Per path, a first update, then the median of --repeats (each timed to a
+device synchronisation):
   nvfp4 colocated      `server.colocated.ColocatedRefit.update`: planned fused entries quantized into
                        buffers on the trainer's GPU, one NaN/Inf check, one copy per tensor kind per entry
   nvfp4 load_weights   `model.load_weights(...)` on the nvfp4_sampler engine (TRL's and verl's call, with
@@ -26,10 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,21 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL_LAYERS = 48
 EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 QUICK = {"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 512}   # --quick: the script checked on the CPU
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t
 
 
 def engine_folders(cfg: dict, tmp: Path) -> dict[str, Path]:
@@ -74,17 +60,18 @@ def worker(folder: str, quant: str, repeats: int, out: str) -> None:
     import torch
     from vllm import LLM
 
-    from bench.bench_sync import model_tensors
+    from bench.bench_sync import model_tensors, timed
     from nvfp4_sampler.converters import name_map
 
     cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     gpu = dict(kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.9) if cuda else {}
     llm = LLM(folder, quantization=None if quant == "bf16" else quant, load_format="dummy" if quant == "bf16" else "auto",
               dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, enforce_eager=True,
               enable_prefix_caching=False, seed=0, worker_extension_cls=EXTENSION, **gpu)
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     config = json.loads((Path(folder) / "config.json").read_text())
-    state = model_tensors(config, "cuda" if cuda else "cpu")
+    state = model_tensors(config, device)
     # load_weights takes checkpoint names (one tensor per expert): views of the trainer's fused tensors
     named = [(m.name, t if m.index is None else t[m.index])
              for n, t in state.items() for m in name_map.expand(n, tuple(t.shape))]
@@ -104,7 +91,7 @@ def worker(folder: str, quant: str, repeats: int, out: str) -> None:
             result["colocated_report"] = refit.update(next(version))      # the last one's host seconds by step
         paths = {"nvfp4 colocated": colocated, **paths}
     for name, fn in paths.items():
-        runs = [_timed(fn) for _ in range(repeats + 1)]
+        runs = [timed(device, fn) for _ in range(repeats + 1)]
         result[name] = {"first": runs[0], "median": statistics.median(runs[1:]), "runs": runs}
         Path(out).write_text(json.dumps(result))
         print(f"{quant}: {name}: {result[name]}", flush=True)
@@ -125,7 +112,8 @@ def main() -> int:
         return 0
     import torch
 
-    if not (torch.cuda.is_available() or args.quick):
+    cuda = torch.cuda.is_available()
+    if not (cuda or args.quick):
         print("needs a CUDA GPU (vLLM's CUDA build); --quick checks the script on the CPU", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
@@ -134,13 +122,13 @@ def main() -> int:
     cfg = {**manifests.QWEN3_30B_A3B, "num_hidden_layers": args.layers}
     if args.quick:
         cfg, args.layers, args.repeats = cfg | QUICK, 1, 1
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()}"
+    device = torch.cuda.get_device_name() if cuda else f"CPU x{os.cpu_count()}"
     results: dict = {"device": device, "layers": args.layers, "engines": {}}
     with tempfile.TemporaryDirectory(prefix="bench-sync-vllm-") as tmp:
         t0 = time.perf_counter()
         folders = engine_folders(cfg, Path(tmp))
         print(f"engine folders written in {time.perf_counter() - t0:.1f} s", flush=True)
-        if not torch.cuda.is_available():       # vLLM's CPU build repacks BF16 linears at load, dropping weight_loader
+        if not cuda:                            # vLLM's CPU build repacks BF16 linears at load, dropping weight_loader
             print("CPU: the BF16 engine's load_weights cannot run on vLLM's CPU build; nvfp4_sampler only", flush=True)
             del folders["bf16"]
         for quant, folder in folders.items():
