@@ -3,7 +3,8 @@
 Rows: device copy bandwidth (the roofline, bytes read + written), per-token activation
 quantization, weight conversion of a Qwen3-30B-A3B-shaped layer (x48 layers), W4A4 linear at
 Qwen3-30B-A3B and Qwen3-8B shapes against cuBLAS BF16 (`torch.matmul`), the Qwen3-30B-A3B MoE
-layer against BF16 `torch._grouped_mm`, the plain torch-eager reference, and the memory ratio.
+layer against BF16 `torch._grouped_mm` and, where vLLM is installed, vLLM's BF16 `fused_experts` (the Triton
+MoE a BF16 vLLM engine runs), the plain torch-eager reference, and the memory ratio.
 Linear at M = 1 and 16 also times the peer `humming-kernels` 0.1.19 (vLLM's quantized GEMM
 backend) on the same ModelOpt NVFP4 weights, where installed (carry its wheel: `.whl/`, see
 docs/BENCHMARKS.md); without it the rows say why.
@@ -408,6 +409,16 @@ def bf16_grouped_moe(x, w13_t, w2_t, topk_w, topk_ids):
     return y[pos].view(t, k, -1).sum(1).to(x.dtype)
 
 
+def vllm_bf16_moe():
+    """vLLM's BF16 MoE, `fused_experts(x, w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids int32)` (what a
+    BF16 vLLM engine runs for these experts), or (None, why) where vLLM is not installed."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+    except Exception as err:  # noqa: BLE001 - an ImportError, or vLLM failing at import on this build
+        return None, f"vLLM fused_experts unavailable: {err!s:.200}"
+    return (lambda x, w13, w2, tw, ti: fused_experts(x, w13, w2, tw, ti.to(torch.int32))), ""
+
+
 def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
     """GPU time of each kernel `fn` launches, µs per call (the torch profiler, eager launches, mean of `repeats`
     calls), by kernel name: where a launch sequence's time goes."""
@@ -433,6 +444,7 @@ def bench_moe(log, quick: bool) -> None:
     log("memory", dict(shape="30B-A3B MoE layer", bf16_bytes=bf_bytes, nvfp4_bytes=w13.nbytes + w2.nbytes,
                        ratio=(w13.nbytes + w2.nbytes) / bf_bytes))
     w13_t, w2_t = w13_bf.transpose(1, 2), w2_bf.transpose(1, 2)
+    peer, peer_note = vllm_bf16_moe()
     for t in ((1, 4, 6, 8, 16, 32, 64, 128, 256, 1024, 8192) if quick else (1, 2, 4, 6, 8, 16, 32, 64, 128, 256, 1024, 8192)):
         n_routes = 16 if t <= 64 else 1
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
@@ -487,6 +499,15 @@ def bench_moe(log, quick: bool) -> None:
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
         except RuntimeError as err:          # record why the baseline could not run on this build
             row["bf16_grouped_error"] = str(err)[:300]
+        if peer is None:
+            row["vllm_bf16_note"] = peer_note
+        else:
+            try:
+                peer(x, w13_bf, w2_bf, *routes[0])                 # its Triton kernels compiled outside the graph
+                row["vllm_bf16_ms"] = graph_ms(lambda: [peer(x, w13_bf, w2_bf, tw, ti) for tw, ti in routes]) / n_routes
+                row["speedup_vs_vllm_bf16"] = row["vllm_bf16_ms"] / ours
+            except Exception as err:  # noqa: BLE001 - the row goes on with the reason
+                row["vllm_bf16_note"] = f"vLLM fused_experts failed: {err!s:.200}"
         if t <= 16:
             tw, ti = routes[0]
             row["ref_ms"] = eager_ms(lambda: reference.moe(x, w13, w2, tw, ti))
@@ -629,14 +650,19 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
     notes = {r["peer_note"] for r in by("linear") if "peer_note" in r}
     for note in notes:
         print(f"  note: {note}")
-    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768); us, speedup = BF16 grouped / ours\n"
-          "  tokens   ours  path     pairs  grouped      mma    exact  bf16 grouped  speedup   ref")
+    print("\nMoE Qwen3-30B-A3B layer (128 experts, top-8, 2048 -> 768); us, speedup = BF16 grouped / ours, "
+          "vs vLLM = vLLM BF16 fused_experts / ours\n"
+          "  tokens   ours  path     pairs  grouped      mma    exact  bf16 grouped  speedup  vLLM bf16  vs vLLM   ref")
     us = lambda r, key: f"{r[key] * 1e3:8.1f}" if key in r else f"{'-':>8s}"
     for r in by("moe"):
         speed = f"{r['speedup_vs_bf16_grouped']:8.2f}x" if "bf16_grouped_ms" in r else f"{'error':>9s}"
+        vs_vllm = f"{r['speedup_vs_vllm_bf16']:8.2f}x" if "vllm_bf16_ms" in r else f"{'-':>9s}"
         ref = f"{r['ref_ms'] * 1e3:6.0f}" if "ref_ms" in r else ""
         print(f"  {r['tokens']:6d} {us(r, 'ours_ms')}  {r['path']:7s}{us(r, 'pairs_ms')} {us(r, 'grouped_ms')} "
-              f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} {ref}")
+              f"{us(r, 'mma_ms')} {us(r, 'exact_ms')}  {us(r, 'bf16_grouped_ms'):>12s} {speed} "
+              f"{us(r, 'vllm_bf16_ms'):>10s} {vs_vllm} {ref}")
+    for note in {r["vllm_bf16_note"] for r in by("moe") if "vllm_bf16_note" in r}:
+        print(f"  note: {note}")
     for key, label in (("mma_wgmma_ms", "mma, warpgroup-MMA variant"), ("mma_cluster_ms", "mma, split-K through clusters"),
                        ("mma_global_ms", "mma, split-K through global planes"),
                        ("mma_push_ms", "mma, split-K pushed to the owners"),

@@ -31,7 +31,7 @@ ACT = dict(kind="act_quant", m=16384, k=4096, bytes=1, ours_ms=0.0713, tuned_ms=
            ref_ms=None, gbps=2413.0, frac_peak_copy=0.569, tuned_frac_peak_copy=0.57, frac_same_size_copy=0.587,
            exact_ms=0.06, exact_frac_peak_copy=0.88)
 MOE = dict(kind="moe", tokens=64, ours_ms=0.3077, path="mma", pairs_ms=0.6216, grouped_ms=0.4601, mma_ms=0.3077,
-           exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, mma_wgmma_ms={"NT 1": 0.21},
+           exact_ms=0.52, bf16_grouped_ms=0.4947, speedup_vs_bf16_grouped=1.61, vllm_bf16_ms=0.4, speedup_vs_vllm_bf16=1.3, mma_wgmma_ms={"NT 1": 0.21},
            mma_cluster_ms={"NT 1": 0.25}, mma_global_ms={"NT 1": 0.27}, mma_push_ms={"NT 1": 0.24},
            mma_cps_ms={4: 0.3077, 8: 0.29, 16: math.nan}, exact_codes_ms={"16-row": 0.4},
            kernels_us={"pairs": {"_w4a4_gemv_kernel": 25.5, "_combine_kernel": 2.25}})
@@ -45,6 +45,8 @@ def test_tables_print_every_column_and_candidate():
     assert ("wgmma variant alone 22.1 us, split-K pulled through clusters 26.2 us, pushed to their owners 25.1 us, through "
             "global planes 30.1 us vs the default 30.1") in text
     assert "64 tokens, mma, split-K through clusters: NT 1: 250.0 us" in text
+    moe = next(x for x in lines if x.strip().startswith("64 ") and " mma " in x)
+    assert moe.split()[-4:] == ["494.7", "1.61x", "400.0", "1.30x"], moe       # BF16 grouped, then vLLM's BF16 MoE
     assert "64 tokens, mma, split-K through global planes: NT 1: 270.0 us" in text
     assert "64 tokens, mma, split-K pushed to the owners: NT 1: 240.0 us" in text
     assert "64x128 s4 w4 split 1: 25.0, 128x128 s3 w8 split 1: nan us" in text
