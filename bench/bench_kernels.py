@@ -457,9 +457,9 @@ def bench_moe(log, quick: bool) -> None:
             row["pairs_config_ms"] = {            # split-K changes the order of the K sum)
                 json.dumps(c): tried_ms(lambda c=c: [triton_moe._moe_pairs(x, w13, w2, tw, ti, "vllm", config=c)
                                                      for tw, ti in routes]) / n_routes for c in PAIRS_SWEEP}
-        if t <= 8:                                # where the decode paths' time goes, kernel by kernel
+        if t <= 8 or t >= 1024:                   # where the decode paths' (and the prefill path's) time goes,
             row["kernels_us"] = {path: kernel_us(lambda path=path: triton_moe.moe(x, w13, w2, *routes[0], path=path))
-                                 for path in ("pairs", "mma")}
+                                 for path in (("pairs", "mma") if t <= 8 else ("exact",))}   # kernel by kernel
         # the grouped Triton GEMM, the tensor-core kernels (forced); below 16 tokens the tensor-core grouped
         # launches alone: where they overtake the per-pair GEMVs (batch 1 is the MoE shape's missed e2e goal)
         for path in ("grouped", "mma", "exact") if t >= 16 else ("mma",):
@@ -506,6 +506,8 @@ def bench_moe(log, quick: bool) -> None:
                 peer(x, w13_bf, w2_bf, *routes[0])                 # its Triton kernels compiled outside the graph
                 row["vllm_bf16_ms"] = graph_ms(lambda: [peer(x, w13_bf, w2_bf, tw, ti) for tw, ti in routes]) / n_routes
                 row["speedup_vs_vllm_bf16"] = row["vllm_bf16_ms"] / ours
+                if t <= 8 or t >= 1024:
+                    row.setdefault("kernels_us", {})["vLLM BF16"] = kernel_us(lambda: peer(x, w13_bf, w2_bf, *routes[0]))
             except Exception as err:  # noqa: BLE001 - the row goes on with the reason
                 row["vllm_bf16_note"] = f"vLLM fused_experts failed: {err!s:.200}"
         if t <= 16:
