@@ -79,7 +79,7 @@ MODES = {"eager": dict(enforce_eager=True),
 # Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels). The
 # MoE experts run the same NVFP4 GEMM kernels as the linears; their routing sorts run torch's sort kernels.
 CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue",
-                                                      "_dequant_exact", "w4_dequant")),
+                                                      "_dequant_exact", "w4_dequant", "_exact_gemm")),
               ("nvfp4 activation quantization", ("_act_quant",)),
               ("MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)",
                ("_schedule_kernel", "_combine_kernel", "moe::", "moe_align", "moe_sum")),

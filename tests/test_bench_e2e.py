@@ -12,6 +12,8 @@ _GLUE = "MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)"
 @pytest.mark.parametrize("kernel,category", [
     ("w4a16_mma", "nvfp4 GEMMs (linears, MoE experts)"),
     ("_w4a4_gemv_kernel", "nvfp4 GEMMs (linears, MoE experts)"),
+    ("_exact_gemm_kernel", "nvfp4 GEMMs (linears, MoE experts)"),      # not cuBLAS's "gemm": first match wins
+    ("w4_dequant", "nvfp4 GEMMs (linears, MoE experts)"),
     ("_act_quant_kernel", "nvfp4 activation quantization"),
     ("kernel_unified_attention_2d", "attention"),
     ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", "bf16 gemm (cuBLAS / lm_head / router)"),
