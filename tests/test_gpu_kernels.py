@@ -412,6 +412,22 @@ def test_moe_is_bitwise_deterministic(tk, tokens):
         assert torch.equal(tk[2].moe(x, w13, w2, topk_w, topk_ids), first)
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_moe_pairs_prefetch_of_w2_changes_no_bit(tk, tokens):
+    """w13's launch asking L2 for the pairs' experts of w2 (`PAIRS_PREFETCH`), with and without programmatic
+    dependent launch: the same bits as without it."""
+    experts, hidden, inter, top_k = 32, 1024, 384, 8
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), -1), top_k)
+    plain = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=False, pdl=False))
+    for pdl in (False, True):
+        got = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=True, pdl=pdl))
+        assert torch.equal(got, plain), f"pdl={pdl}"
+
+
 def test_split_k_launches_count_in_the_device_tickets(tk, tv, monkeypatch):
     """With the device's tickets allocated (`cuda_mma.tickets`, at load time), the Triton split-K launches
     count in them instead of zero-filling a buffer each; they leave them zero and give the bits they give
