@@ -399,14 +399,19 @@ def test_linear_is_bitwise_deterministic(tk, path, m, n, k):
         assert torch.equal(tg.linear(x, w, path=path), first)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 300])
-def test_moe_is_bitwise_deterministic(tk, tokens):
-    experts, hidden, inter, top_k = 32, 1024, 384, 8
+def _moe_case(tokens: int, experts: int = 32, hidden: int = 1024, inter: int = 384, top_k: int = 8):
+    """(x, w13, w2, topk_weights, topk_ids) of a random top-k MoE layer on the GPU, seeded by `tokens`."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
     w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
     w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
     topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), -1), top_k)
+    return x, w13, w2, topk_w, topk_ids
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_moe_is_bitwise_deterministic(tk, tokens):
+    x, w13, w2, topk_w, topk_ids = _moe_case(tokens)
     first = tk[2].moe(x, w13, w2, topk_w, topk_ids)
     for _ in range(REPEATS):
         assert torch.equal(tk[2].moe(x, w13, w2, topk_w, topk_ids), first)
@@ -416,12 +421,7 @@ def test_moe_is_bitwise_deterministic(tk, tokens):
 def test_moe_pairs_prefetch_of_w2_changes_no_bit(tk, tokens):
     """w13's launch asking L2 for the pairs' experts of w2 (`PAIRS_PREFETCH`), with and without programmatic
     dependent launch: the same bits as without it."""
-    experts, hidden, inter, top_k = 32, 1024, 384, 8
-    g = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
-    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1).to(torch.bfloat16))
-    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), -1), top_k)
+    x, w13, w2, topk_w, topk_ids = _moe_case(tokens)
     plain = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=False, pdl=False))
     for pdl in (False, True):
         got = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=True, pdl=pdl))
