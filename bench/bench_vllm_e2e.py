@@ -79,9 +79,13 @@ MODES = {"eager": dict(enforce_eager=True),
          "compiled": dict(compilation_config={"cudagraph_capture_sizes": CAPTURE})}
 
 
-# Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels). The
-# MoE experts run the same NVFP4 GEMM kernels as the linears; their routing sorts run torch's sort kernels.
-CATEGORIES = (("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel", "_w4a4_gemv", "_scale_epilogue",
+# Kernel-name patterns of a decode step's GPU time, first match wins (torch profiler, CUDA kernels). From 33
+# (token, expert) pairs the MoE experts run the same NVFP4 GEMM kernels as the linears; up to 32 (batch 1-4 of a
+# top-8 model) the per-pair Triton GEMVs, which the engines' dense linears do not run (`hopper_mma` serves every
+# K % 128 == 0 linear; others fall back to `triton_hopper`, whose M = 1 linears run it too); their routing sorts
+# run torch's sort kernels.
+CATEGORIES = (("nvfp4 GEMVs (Triton: the MoE's per-pair decode)", ("_w4a4_gemv",)),
+              ("nvfp4 GEMMs (linears, MoE experts)", ("w4a16_mma", "_w4a4_kernel", "_scale_epilogue",
                                                       "_dequant_exact", "w4_dequant", "_exact_gemm")),
               ("nvfp4 activation quantization", ("_act_quant",)),
               ("MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)",

@@ -11,7 +11,7 @@ _GLUE = "MoE routing glue (ours: schedule, combine; vLLM: gating, align, sum)"
 
 @pytest.mark.parametrize("kernel,category", [
     ("w4a16_mma", "nvfp4 GEMMs (linears, MoE experts)"),
-    ("_w4a4_gemv_kernel", "nvfp4 GEMMs (linears, MoE experts)"),
+    ("_w4a4_gemv_kernel", "nvfp4 GEMVs (Triton: the MoE's per-pair decode)"),
     ("_exact_gemm_kernel", "nvfp4 GEMMs (linears, MoE experts)"),      # not cuBLAS's "gemm": first match wins
     ("w4_dequant", "nvfp4 GEMMs (linears, MoE experts)"),
     ("_act_quant_kernel", "nvfp4 activation quantization"),
