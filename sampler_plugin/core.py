@@ -207,7 +207,12 @@ class LayerCore:
         for w in loaded.values():
             self.memory.processed_weight(w)
         self.memory.processed_layer()
-        if first and WARMUP and next(iter(loaded.values())).codes.is_cuda:
+        if first:
+            self._first_loaded(layer)
+
+    def _first_loaded(self, layer: torch.nn.Module) -> None:
+        """After the layer's first post-load step: the load-time warm-up (CUDA, `WARMUP`)."""
+        if WARMUP and next(iter(layer.nvfp4_serving.values())).codes.is_cuda:
             self.warm_up(layer)
 
     def warm_up(self, layer: torch.nn.Module, tokens: tuple[int, ...] = WARMUP_TOKENS) -> int:
@@ -323,10 +328,10 @@ class LinearCore(LayerCore):
         index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
         return self.shards(layer)[index]
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        first = not hasattr(layer, "nvfp4_serving")
-        super().process_weights_after_loading(layer)
-        if first and self.chain is not None:
+    def _first_loaded(self, layer: torch.nn.Module) -> None:
+        """The warm-up, then this linear joins the model's `LinearChain` (where there is one)."""
+        super()._first_loaded(layer)
+        if self.chain is not None:
             self.chain.follow(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
