@@ -225,3 +225,47 @@ def test_pairs_w13_asks_l2_for_w2_after_its_own_first_loads_without_spills():
     assert body.index("ld.global") < first_pf < body.index("st.global")
     regs = [int(re.search(r"Used (\d+) registers", text).group(1)) for text in (log, plain)]
     assert regs[0] <= regs[1] + 8, regs
+
+
+def _moe_decode(pf: bool) -> tuple[str, str]:
+    """(PTX, ptxas log) of `triton_gemv._moe_decode_kernel` as `triton_moe._moe_pairs` launches it at one token of
+    the 30B-A3B layer (w13 and w2 in one launch); pf: w13's items ask L2 for w2."""
+    from nvfp4_sampler.kernels import triton_gemv, triton_moe
+    hidden, inter, pairs = 2048, 768, 8
+    cfg13, cfg2 = (triton_gemv.gemv_config(1, n * pairs, k, block_b=8, min_programs=triton_moe.PAIRS_MIN_PROGRAMS)
+                   for n, k in ((inter, hidden), (hidden, inter)))
+    lines = tuple(triton_gemv.prefetch_lines(b, 48) for b in (hidden * inter // 2, hidden * inter // 16))
+    consts = dict(BLOCK_B=8, BLOCK_N13=cfg13["BLOCK_N"], SPLIT_K13=cfg13["SPLIT_K"], AMAX_B13=cfg13["AMAX_B"],
+                  BLOCK_N2=cfg2["BLOCK_N"], SPLIT_K2=cfg2["SPLIT_K"], AMAX_B2=cfg2["AMAX_B"], USE_ASM=True, TE=False,
+                  PF_LINES=lines[0] if pf else 0, PF_SLINES=lines[1] if pf else 0)
+    sig = {"x": "*bf16", "stride_xm": "i32", "w13_codes64": "*i64", "w13_scales": "*fp8e4nv", "w13_gs": "*fp32",
+           "s13_e": "i32", "s13_n": "i32", "w2_codes64": "*i64", "w2_scales": "*fp8e4nv", "w2_gs": "*fp32",
+           "s2_e": "i32", "s2_n": "i32", "pair_expert": "*i32", "TOPK": "i32", "row_weight": "*fp32",
+           "act": "*bf16", "y": "*fp32", "combined": "*bf16", "ws13": "*fp32", "ws2": "*fp32", "counters": "*i32",
+           "pf_codes": "*u8", "pf_scales": "*u8", "PF_BYTES": "i32", "PF_SBYTES": "i32", "P": "i32", "H": "i32",
+           "I": "i32"}
+    if not pf:
+        consts.update(pf_codes=None, pf_scales=None, PF_BYTES=0, PF_SBYTES=0)
+    sig.update({name: "constexpr" for name in consts})
+    return _compile(triton_gemv._moe_decode_kernel, sig, consts,
+                    ("x", "stride_xm", "w13_codes64", "w13_scales", "w13_gs", "w2_codes64", "w2_scales", "w2_gs",
+                     "pair_expert", "row_weight", "act", "y", "combined", "ws13", "ws2", "counters", "H", "I"),
+                    num_warps=cfg13["num_warps"])
+
+
+@pytest.mark.parametrize("pf", [False, True], ids=["plain", "prefetch"])
+def test_one_launch_moe_decode_spins_only_after_its_weight_loads_without_spills(pf):
+    """The one-launch MoE decode: no spills, registers within 8 of the two-launch w13 program's (the occupancy
+    its 20 MB stream needs); one acquire poll loop, after the w2 item's first weight loads; the w13 item's release
+    after its stores; the queue taken by the program's first atomic."""
+    ptx, log = _moe_decode(pf)
+    _, two = _pairs_gemv(True)
+    assert "0 bytes spill stores" in log, log
+    regs = [int(re.search(r"Used (\d+) registers", text).group(1)) for text in (log, two)]
+    assert regs[0] <= regs[1] + 8, regs
+    body = ptx[ptx.index(".entry"):]
+    assert body.index("atom.global") < body.index("ld.global")              # the queue first
+    assert body.count("ld.global.gpu.acquire") == 1 and "red.global.gpu.release" in body   # Triton's poll of + 0
+    poll = body.index("ld.global.gpu.acquire")
+    assert body[:poll].count("ld.global") >= 6          # the item's expert id, then codes and scales two steps ahead
+    assert ("prefetch.global.L2::evict_last" in body) == pf
