@@ -41,7 +41,7 @@ step() {   # step NAME: its timeout (s) and command
     split_k)   limit=200; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_kernels.py::test_split_k_launches_count_in_the_device_tickets
                               tests/test_gpu_kernels.py::test_gemv_matches_reference tests/test_gpu_kernels.py::test_moe_matches_reference
                               tests/test_gpu_kernels.py::test_moe_is_bitwise_deterministic
-                              tests/test_gpu_kernels.py::test_moe_pairs_prefetch_and_one_launch_change_no_bit" ;;
+                              tests/test_gpu_kernels.py::test_moe_pairs_prefetch_of_w2_changes_no_bit" ;;
     # 300 s: on a fresh machine NVRTC compiles every variant first (H200, fourteenth session: 142 tests passed,
     # then the 150 s limit cut the summary)
     mma)       limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_gpu_mma.py" ;;
@@ -103,9 +103,6 @@ step() {   # step NAME: its timeout (s) and command
     # the MoE decode's w13 launch asking L2 for w2's experts (NVFP4_SAMPLER_PAIRS_PREFETCH=1) beside the default
     bench_e2e_moe_prefetch) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --moe-prefetch
                               --profiled 1 --out $OUT/bench_vllm_e2e_moe_prefetch.json" ;;
-    # both MoE decode GEMVs in one launch (NVFP4_SAMPLER_PAIRS_ONE_LAUNCH=1, the prefetch too) and the prefetch alone
-    bench_e2e_moe_one) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --moe-prefetch
-                              --moe-one-launch --profiled 1 --out $OUT/bench_vllm_e2e_moe_one.json" ;;
     # each linear's decode kernel asking L2 for the next linear's weight (NVFP4_SAMPLER_NEXT_PREFETCH=1) beside the
     # default: the 1.7B (all three batch goals missed on the small launches' latency floor)
     bench_e2e_1.7b_next) limit=500; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28 --next-prefetch

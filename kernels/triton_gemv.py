@@ -173,30 +173,56 @@ def _quantize_blocks(xb, s_enc, TE: tl.constexpr, PER_ROW: tl.constexpr):
     return blk, scale.to(tl.float32)
 
 
-@triton.jit
-def _gemv_program(
-    pid_n, pid_k, pair, grid_n, grid_k,        # output column tile, K slice, pair (PAIRED) of a grid_n x grid_k tile grid
-    x, stride_xm, amax, stride_amax, a_codes64, a_scales, a_gs, stride_a_gs, w_codes64, w_scales, w_gs, stride_gs_e,
-    stride_gs_n, W_ROWS, pair_expert, TOPK, out, row_weight, bias, ws, counters, combined, GROUP, pf_codes,
-    pf_scales, PF_BYTES, PF_SBYTES, M, N, K,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_B: tl.constexpr,
+@triton.jit(do_not_specialize=['M'])   # counts of tokens: one compilation for all
+def _w4a4_gemv_kernel(
+    x, stride_xm,                              # activations [M, K] float (rows of stride_xm, unit column stride)
+    amax, stride_amax,                         # fp32 amax override per row (stride 1) or per tensor (stride 0) (GIVEN_AMAX)
+    a_codes64, a_scales, a_gs, stride_a_gs,    # or, not FUSED: per-token NVFP4 codes as int64 [M, K/16], scales, S_dec
+    w_codes64, w_scales, w_gs, stride_gs_e, stride_gs_n,   # weights [E, W_ROWS, K] NVFP4 (codes as int64 blocks)
+    W_ROWS, pair_expert, TOPK,                 # PAIRED: output row p uses expert pair_expert[p] and x row p // TOPK
+    out, row_weight, bias, ws, counters,
+    combined, GROUP,                           # COMBINE: combined [M / GROUP, N] = each GROUP rows of out summed
+    pf_codes, pf_scales, PF_BYTES, PF_SBYTES,  # PAIRED, PF_LINES: the next launch's stacked weights (uint8 views),
+                                               # bytes of one expert's codes and block scales
+    M, N, K,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
+    AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
     FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
-    SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, TE: tl.constexpr,
-    GDC_WAIT: tl.constexpr, COMBINE: tl.constexpr, PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr,
-    ready, READY_AT, WAIT_READY: tl.constexpr,   # PAIRED: wait for ready[pair] >= READY_AT before reading x
+    SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+    TE: tl.constexpr,                          # FUSED quantization in TransformerEngine's op order
+    GDC_SIGNAL: tl.constexpr,                  # let a launch after us that waits (GDC_WAIT) start now
+    GDC_WAIT: tl.constexpr,                    # launched programmatically: read x only once the launch before ends
+    COMBINE: tl.constexpr,                     # PAIRED: the last finished pair of a group adds the group's rows
+    PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr,   # PAIRED: 128-byte lines a program prefetches (0: none)
 ):
-    """One program of `_w4a4_gemv_kernel` (its arguments; output column tile pid_n of grid_n, K-slice pid_k of
-    grid_k, pair of PAIRED), also run as either phase of `_moe_decode_kernel`. WAIT_READY: the x row is written in
-    the same launch: after its first weight loads the program waits until ready[pair] reaches READY_AT (the row's
-    column tiles stored, acquire). Returns whether this program stored its output tile."""
+    """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
+    memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
+    FUSED: the activation is quantized here (one launch per linear): every program reduces the
+    amax of its rows over all of K (unless GIVEN_AMAX), then quantizes its K-slice block by block
+    with the spec's float operations (bit-identical codes and scales); PER_TENSOR: one amax for
+    all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs).
+    PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
+    expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
+    row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
+    group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the
+    group's rows in order from 0 in fp32, rounded once into combined (`triton_moe.combine`'s arithmetic,
+    without its launch). GDC_WAIT: the weights (never written by the launch before) are prefetched before
+    the grid-dependency wait, everything else is read or written after it. PF_LINES (PAIRED, CUDA): after its
+    own first weight loads each program asks L2 for its share of the pair's expert in the next launch's
+    weights (pf_codes, pf_scales), so w2's bytes stream while w13 runs; values unchanged."""
+    if GDC_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     NB = K // 16
     rows = tl.arange(0, M_PAD)
     if PAIRED:
+        pair = tl.program_id(2)
         orow = pair + rows
         rmask = rows < 1
         arow = (pair // TOPK + rows).to(tl.int64)
         e = tl.load(pair_expert + pair)
-        tile = pair * grid_n + pid_n
+        tile = pair * tl.num_programs(0) + pid_n
     else:
         orow = rows
         rmask = rows < M
@@ -219,14 +245,12 @@ def _gemv_program(
         u_c, u_s = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo, b_hi, NB, BLOCK_B)
         u_c1, u_s1 = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
     if PF_LINES:
-        share = pid_k * grid_n + pid_n
-        _prefetch_l2(pf_codes, PF_BYTES, e, share, grid_n * grid_k, PF_LINES)
-        _prefetch_l2(pf_scales, PF_SBYTES, e, share, grid_n * grid_k, PF_SLINES)
+        share = pid_k * tl.num_programs(0) + pid_n
+        shares = tl.num_programs(0) * tl.num_programs(1)
+        _prefetch_l2(pf_codes, PF_BYTES, e, share, shares, PF_LINES)
+        _prefetch_l2(pf_scales, PF_SBYTES, e, share, shares, PF_SLINES)
     if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
-    if WAIT_READY:                                                # x's row written in this launch (`_moe_decode_kernel`)
-        while tl.atomic_add(ready + pair, 0, sem="acquire") < READY_AT:
-            pass
     if FUSED:
         if GIVEN_AMAX:
             row_amax = tl.load(amax + arow * stride_amax, mask=rmask, other=0.0)
@@ -276,7 +300,7 @@ def _gemv_program(
         if last:                                                  # this pair's row of the tile is stored
             tl.debug_barrier()
             group = pair // GROUP
-            ticket = counters + (M + group) * grid_n + pid_n       # after the pairs' split-K tickets
+            ticket = counters + (M + group) * tl.num_programs(0) + pid_n       # after the pairs' split-K tickets
             if tl.atomic_add(ticket, 1, sem="acq_rel") == GROUP - 1:
                 sum_ = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 for j in range(GROUP):
@@ -284,54 +308,6 @@ def _gemv_program(
                                     cache_modifier=".cg")
                 tl.store(combined + group.to(tl.int64) * N + cols, sum_.to(combined.dtype.element_ty), mask=cmask)
                 tl.store(ticket, 0)
-    return last
-
-
-@triton.jit(do_not_specialize=['M'])   # counts of tokens: one compilation for all
-def _w4a4_gemv_kernel(
-    x, stride_xm,                              # activations [M, K] float (rows of stride_xm, unit column stride)
-    amax, stride_amax,                         # fp32 amax override per row (stride 1) or per tensor (stride 0) (GIVEN_AMAX)
-    a_codes64, a_scales, a_gs, stride_a_gs,    # or, not FUSED: per-token NVFP4 codes as int64 [M, K/16], scales, S_dec
-    w_codes64, w_scales, w_gs, stride_gs_e, stride_gs_n,   # weights [E, W_ROWS, K] NVFP4 (codes as int64 blocks)
-    W_ROWS, pair_expert, TOPK,                 # PAIRED: output row p uses expert pair_expert[p] and x row p // TOPK
-    out, row_weight, bias, ws, counters,
-    combined, GROUP,                           # COMBINE: combined [M / GROUP, N] = each GROUP rows of out summed
-    pf_codes, pf_scales, PF_BYTES, PF_SBYTES,  # PAIRED, PF_LINES: the next launch's stacked weights (uint8 views),
-                                               # bytes of one expert's codes and block scales
-    M, N, K,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
-    FUSED: tl.constexpr, GIVEN_AMAX: tl.constexpr, PER_TENSOR: tl.constexpr, PAIRED: tl.constexpr,
-    SWIGLU: tl.constexpr, ROW_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
-    TE: tl.constexpr,                          # FUSED quantization in TransformerEngine's op order
-    GDC_SIGNAL: tl.constexpr,                  # let a launch after us that waits (GDC_WAIT) start now
-    GDC_WAIT: tl.constexpr,                    # launched programmatically: read x only once the launch before ends
-    COMBINE: tl.constexpr,                     # PAIRED: the last finished pair of a group adds the group's rows
-    PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr,   # PAIRED: 128-byte lines a program prefetches (0: none)
-):
-    """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
-    memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
-    FUSED: the activation is quantized here (one launch per linear): every program reduces the
-    amax of its rows over all of K (unless GIVEN_AMAX), then quantizes its K-slice block by block
-    with the spec's float operations (bit-identical codes and scales); PER_TENSOR: one amax for
-    all rows. Not FUSED: the activation comes quantized (a_codes64, a_scales, a_gs).
-    PAIRED (MoE decode, M_PAD 1): grid axis 2 runs over the M (token, expert) pairs; SWIGLU: the
-    expert's rows are [gate; up] (W_ROWS = 2N) and out = silu(gate) * up; ROW_WEIGHT: times
-    row_weight[p] (the router weight); COMBINE: out (fp32) keeps the pair rows and the last pair of each
-    group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the
-    group's rows in order from 0 in fp32, rounded once into combined (`triton_moe.combine`'s arithmetic,
-    without its launch). GDC_WAIT: the weights (never written by the launch before) are prefetched before
-    the grid-dependency wait, everything else is read or written after it. PF_LINES (PAIRED, CUDA): after its
-    own first weight loads each program asks L2 for its share of the pair's expert in the next launch's
-    weights (pf_codes, pf_scales), so w2's bytes stream while w13 runs; values unchanged."""
-    if GDC_SIGNAL:
-        tl.extra.cuda.gdc_launch_dependents()
-    _gemv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
-                  x, stride_xm, amax, stride_amax, a_codes64, a_scales, a_gs, stride_a_gs, w_codes64, w_scales,
-                  w_gs, stride_gs_e, stride_gs_n, W_ROWS, pair_expert, TOPK, out, row_weight, bias, ws, counters,
-                  combined, GROUP, pf_codes, pf_scales, PF_BYTES, PF_SBYTES, M, N, K, M_PAD, BLOCK_N, BLOCK_B,
-                  SPLIT_K, AMAX_B, FUSED, GIVEN_AMAX, PER_TENSOR, PAIRED, SWIGLU, ROW_WEIGHT, HAS_BIAS, USE_ASM, TE,
-                  GDC_WAIT, COMBINE, PF_LINES, PF_SLINES, counters, 0, False)
 
 
 # ---- split-K finish and launch helpers, shared with the packed kernel (`triton_gemm`) ----
@@ -548,109 +524,4 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
             PAIRED=True, SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
             TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, COMBINE=combined is not None, **pf_lines, **cfg,
             **({"launch_pdl": True} if wait else {}))
-    return out
-
-
-@triton.jit(do_not_specialize=['P'])
-def _moe_decode_kernel(
-    x, stride_xm,                                   # tokens [T, H] float
-    w13_codes64, w13_scales, w13_gs, s13_e, s13_n,  # [E, 2I, H] NVFP4 (global scale strides: `_gs_strides`)
-    w2_codes64, w2_scales, w2_gs, s2_e, s2_n,       # [E, H, I]
-    pair_expert, TOPK, row_weight,                  # int32 [P], top-k, fp32 [P]
-    act, y, combined,                               # x dtype [P, I], fp32 [P, H], [T, H]
-    ws13, ws2, counters,                            # split-K planes of each phase; int32 tickets (zero, left zero)
-    pf_codes, pf_scales, PF_BYTES, PF_SBYTES,       # w2 as uint8 (PF_LINES: w13's programs ask L2 for it)
-    P, H, I,
-    BLOCK_B: tl.constexpr, BLOCK_N13: tl.constexpr, SPLIT_K13: tl.constexpr, AMAX_B13: tl.constexpr,
-    BLOCK_N2: tl.constexpr, SPLIT_K2: tl.constexpr, AMAX_B2: tl.constexpr, USE_ASM: tl.constexpr,
-    TE: tl.constexpr, PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr,
-):
-    """The per-pair MoE decode (`launch_w4a4_pairs` for w13, then for w2 with its combine) in one launch of one
-    program per work item: the grid's programs take items from a queue in order (an atomic counter), w13's items
-    (its `_gemv_program`s over the pairs) first, then w2's. A w2 item loads its first weights, then waits until its
-    pair's SwiGLU row is stored (ready[pair] counts the row's w13 column tiles, released by the program that
-    stored each). An item waits only for items taken before it, whose programs are running: no deadlock at any
-    occupancy (a one-program-at-a-time interpreter included). Each item's arithmetic is its two-launch
-    program's: the same bits. The last item's program resets the queue, a pair's last w2 item its counters."""
-    grid13 = tl.cdiv(I, BLOCK_N13)
-    grid2 = tl.cdiv(H, BLOCK_N2)
-    n13 = grid13 * SPLIT_K13 * P
-    per2 = grid2 * SPLIT_K2
-    tickets2 = counters + P * grid13                 # w2's split-K and combine tickets after w13's
-    ready = tickets2 + (P + P // TOPK) * grid2
-    consumed = ready + P
-    queue = consumed + P
-    item = tl.atomic_add(queue, 1, sem="relaxed")
-    if item == n13 + per2 * P - 1:
-        tl.store(queue, 0)
-    if item < n13:
-        pair = item // (grid13 * SPLIT_K13)
-        r = item % (grid13 * SPLIT_K13)
-        last = _gemv_program(r % grid13, r // grid13, pair, grid13, SPLIT_K13,
-                             x, stride_xm, None, 0, None, None, None, 0, w13_codes64, w13_scales, w13_gs, s13_e, s13_n,
-                             2 * I, pair_expert, TOPK, act, None, None, ws13, counters, None, 1,
-                             pf_codes, pf_scales, PF_BYTES, PF_SBYTES, P, I, H,
-                             1, BLOCK_N13, BLOCK_B, SPLIT_K13, AMAX_B13, True, False, False, True, True, False,
-                             False, USE_ASM, TE, False, False, PF_LINES, PF_SLINES, ready, 0, False)
-        if last:
-            tl.debug_barrier()                       # every thread's stores of the tile before the release
-            tl.atomic_add(ready + pair, 1, sem="release")
-    else:
-        pair = (item - n13) // per2
-        r = (item - n13) % per2
-        _gemv_program(r % grid2, r // grid2, pair, grid2, SPLIT_K2,
-                      act, I, None, 0, None, None, None, 0, w2_codes64, w2_scales, w2_gs, s2_e, s2_n,
-                      H, pair_expert, 1, y, row_weight, None, ws2, tickets2, combined, TOPK,
-                      None, None, 0, 0, P, H, I,
-                      1, BLOCK_N2, BLOCK_B, SPLIT_K2, AMAX_B2, True, False, False, True, False, True,
-                      False, USE_ASM, TE, False, True, 0, 0, ready, grid13, True)
-        if tl.atomic_add(consumed + pair, 1, sem="relaxed") == per2 - 1:   # every w2 item of the pair is past its wait
-            tl.store(ready + pair, 0)
-            tl.store(consumed + pair, 0)
-
-
-def launch_moe_decode(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, out: torch.Tensor, *,
-                      pair_expert: torch.Tensor, row_weight: torch.Tensor, config13: dict, config2: dict,
-                      op_order: str = "vllm", prefetch: bool = False,
-                      use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
-    """out [T, H] = the MoE decode of x [T, H] (unit column stride) in one launch (`_moe_decode_kernel`): the same
-    bits as `launch_w4a4_pairs` for w13 [E, 2I, H] (SwiGLU) then for w2 [E, H, I] (router weights, each token's
-    top-k rows combined), with config13 / config2 (`gemv_config`'s, M_PAD 1, one BLOCK_B and num_warps) for them.
-    pair_expert int32 [P], P = T * topk; row_weight fp32 [P]. prefetch (CUDA, use_asm): w13's items ask L2 for
-    their pair's expert of w2 (`launch_w4a4_pairs(prefetch=w2)`)."""
-    t, h = x.shape
-    p = pair_expert.numel()
-    e, two_i, _ = w13.shape
-    inter = two_i // 2
-    if (x.stride(-1) != 1 or p % max(t, 1) or w13.shape[2] != h or tuple(w2.shape) != (e, h, inter)
-            or not (w13.codes.is_contiguous() and w2.codes.is_contiguous()) or out.shape != (t, h)):
-        raise ValueError(f"the one-launch MoE decode takes x [T, H] (unit column stride), contiguous w13 [E, 2I, H] "
-                         f"and w2 [E, H, I], out [T, H]; got x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, out {tuple(out.shape)}, {p} pairs")
-    shared = ("M_PAD", "BLOCK_B", "num_warps")
-    if any(config13[key] != config2[key] for key in shared) or config13["M_PAD"] != 1:
-        raise ValueError(f"one launch needs M_PAD 1 and one BLOCK_B and num_warps for both phases, got {config13} "
-                         f"and {config2}")
-    topk = p // t if t else 1
-    grid13, grid2 = triton.cdiv(inter, config13["BLOCK_N"]), triton.cdiv(h, config2["BLOCK_N"])
-    split13, split2 = config13["SPLIT_K"], config2["SPLIT_K"]
-    act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((p, h), dtype=torch.float32, device=x.device)
-    ws13, cnt = _workspace(x.device, 2 * split13 * p * inter if split13 > 1 else 0,
-                           p * grid13 + (p + t) * grid2 + 2 * p + 1)
-    ws2 = torch.empty(split2 * p * h, dtype=torch.float32, device=x.device) if split2 > 1 else None
-    pf_args, pf_lines = (None, None, 0, 0), dict(PF_LINES=0, PF_SLINES=0)
-    if prefetch and use_asm:
-        nbytes = w2.codes[0].numel(), w2.block_scales[0].numel()
-        pf_args = (w2.codes.view(torch.uint8), w2.block_scales.view(torch.uint8), *nbytes)
-        pf_lines = dict(PF_LINES=prefetch_lines(nbytes[0], grid13 * split13),
-                        PF_SLINES=prefetch_lines(nbytes[1], grid13 * split13))
-    if p:
-        _moe_decode_kernel[(grid13 * split13 * p + grid2 * split2 * p,)](
-            x, x.stride(0), w13.codes.view(torch.int64), w13.block_scales, w13.global_scale,
-            *_gs_strides(w13.global_scale, 3), w2.codes.view(torch.int64), w2.block_scales, w2.global_scale,
-            *_gs_strides(w2.global_scale, 3), pair_expert, topk, row_weight, act, y, out, ws13, ws2, cnt, *pf_args,
-            p, h, inter, BLOCK_B=config13["BLOCK_B"], BLOCK_N13=config13["BLOCK_N"], SPLIT_K13=split13,
-            AMAX_B13=config13["AMAX_B"], BLOCK_N2=config2["BLOCK_N"], SPLIT_K2=split2, AMAX_B2=config2["AMAX_B"],
-            USE_ASM=use_asm, TE=op_order == "te", **pf_lines, num_warps=config13["num_warps"])
     return out

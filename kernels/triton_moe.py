@@ -212,10 +212,6 @@ PAIRS_PDL = triton_quant.PDL and switches.choice("NVFP4_SAMPLER_PAIRS_PDL", ("1"
 # 1 token stream while w13 runs instead of when its programs leave the SMs (same bits). Off until measured:
 # NVFP4_SAMPLER_PAIRS_PREFETCH=1 turns it on (engines too); `bench_moe` times both (PAIRS_SWEEP).
 PAIRS_PREFETCH = switches.choice("NVFP4_SAMPLER_PAIRS_PREFETCH", ("0", "1")) == "1"
-# w13 and w2 in one launch (`triton_gemv.launch_moe_decode`: a queue of work items, w2's waiting on their pair's
-# SwiGLU row): one launch's fixed latencies instead of two (same bits). Off until measured:
-# NVFP4_SAMPLER_PAIRS_ONE_LAUNCH=1 turns it on (engines too); `bench_moe` times both (PAIRS_SWEEP).
-PAIRS_ONE_LAUNCH = switches.choice("NVFP4_SAMPLER_PAIRS_ONE_LAUNCH", ("0", "1")) == "1"
 # up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H100 (docs/BENCHMARKS.md,
 # twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
 # 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1; twenty-second: 48 pairs 85.5 / 77.1.
@@ -333,9 +329,8 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     by one in fp32 in slot order, rounded once: `combine`'s arithmetic). strict: batch-invariant (`triton_strict.moe`): the launch configurations
     (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
     config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
-    num_warps, min_programs), "w2": such keywords for w2's launch alone, pdl (`PAIRS_PDL`'s choice),
-    prefetch (`PAIRS_PREFETCH`'s: w13's launch asks L2 for w2's experts of the pairs) and one_launch
-    (`PAIRS_ONE_LAUNCH`'s: both in one launch, `triton_gemv.launch_moe_decode`; the same bits)."""
+    num_warps, min_programs), "w2": such keywords for w2's launch alone, pdl (`PAIRS_PDL`'s choice) and
+    prefetch (`PAIRS_PREFETCH`'s: w13's launch asks L2 for w2's experts of the pairs)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
@@ -343,17 +338,12 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     over = {"block_b": 8, "min_programs": PAIRS_MIN_PROGRAMS, **(config or {})}
     pdl = over.pop("pdl", PAIRS_PDL) and x.is_cuda
     prefetch = over.pop("prefetch", PAIRS_PREFETCH) and x.is_cuda
-    one_launch = over.pop("one_launch", PAIRS_ONE_LAUNCH)
     only2 = over.pop("w2", {})
     cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
     cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **{**over, **only2})
     pair_expert = topk_ids.reshape(-1).to(torch.int32)
     row_weight = topk_weights.reshape(-1).float()          # before w13's launch: w2's may start before it ends
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if one_launch:
-        return triton_gemv.launch_moe_decode(x, w13, w2, x.new_empty((t, h)), pair_expert=pair_expert,
-                                             row_weight=row_weight, config13=cfg13, config2=cfg2, op_order=op_order,
-                                             prefetch=prefetch)
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order,
                                   config=cfg13, signal=pdl, prefetch=w2 if prefetch else None)

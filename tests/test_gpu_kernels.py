@@ -418,16 +418,14 @@ def test_moe_is_bitwise_deterministic(tk, tokens):
 
 
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_moe_pairs_prefetch_and_one_launch_change_no_bit(tk, tokens):
+def test_moe_pairs_prefetch_of_w2_changes_no_bit(tk, tokens):
     """w13's launch asking L2 for the pairs' experts of w2 (`PAIRS_PREFETCH`), with and without programmatic
-    dependent launch, and both GEMVs in one launch (`PAIRS_ONE_LAUNCH`, with and without the prefetch, called
-    REPEATS times: its queue and pair counters left zero by each call): the same bits as two plain launches."""
+    dependent launch: the same bits as without it."""
     x, w13, w2, topk_w, topk_ids = _moe_case(tokens)
     plain = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=False, pdl=False))
-    for form in (dict(pdl=False), dict(pdl=True), dict(one_launch=True, prefetch=False), dict(one_launch=True)):
-        for _ in range(REPEATS if form.get("one_launch") else 1):
-            got = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(dict(prefetch=True), **form))
-            assert torch.equal(got, plain), form
+    for pdl in (False, True):
+        got = tk[2]._moe_pairs(x, w13, w2, topk_w, topk_ids, "vllm", config=dict(prefetch=True, pdl=pdl))
+        assert torch.equal(got, plain), f"pdl={pdl}"
 
 
 def test_split_k_launches_count_in_the_device_tickets(tk, tv, monkeypatch):
