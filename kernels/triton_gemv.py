@@ -462,12 +462,6 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
 PREFETCH_MAX_LINES = 512   # 128-byte lines a program of `launch_w4a4_pairs(prefetch=...)` asks for at once
 
 
-def prefetch_lines(nbytes: int, shares: int) -> int:
-    """`_prefetch_l2`'s LINES for one of `shares` programs asking for `nbytes`: its 128-byte lines, a power of two,
-    at most PREFETCH_MAX_LINES (more lines loop)."""
-    return min(triton.next_power_of_2(triton.cdiv(triton.cdiv(nbytes, shares), 128)), PREFETCH_MAX_LINES)
-
-
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
                       config: dict, swiglu: bool = False, row_weight: torch.Tensor | None = None,
                       op_order: str = "vllm", combined: torch.Tensor | None = None, signal: bool = False,
@@ -512,10 +506,12 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
         raise ValueError(f"prefetch takes contiguous stacked [E, N, K] ModelOpt weights, got {prefetch.layout} "
                          f"{tuple(prefetch.shape)}")
     if prefetch is not None and use_asm:
+        shares = n_tiles * split_k
         nbytes = prefetch.codes[0].numel(), prefetch.block_scales[0].numel()
+        lines = [min(triton.next_power_of_2(triton.cdiv(triton.cdiv(b, shares), 128)), PREFETCH_MAX_LINES)
+                 for b in nbytes]
         pf_args = (prefetch.codes.view(torch.uint8), prefetch.block_scales.view(torch.uint8), *nbytes)
-        pf_lines = dict(PF_LINES=prefetch_lines(nbytes[0], n_tiles * split_k),
-                        PF_SLINES=prefetch_lines(nbytes[1], n_tiles * split_k))
+        pf_lines = dict(PF_LINES=lines[0], PF_SLINES=lines[1])
     if p and n:
         _w4a4_gemv_kernel[(n_tiles, split_k, p)](
             x, x.stride(0), None, 0, None, None, None, 0,

@@ -214,7 +214,8 @@ def test_pairs_w13_asks_l2_for_w2_after_its_own_first_loads_without_spills():
     from nvfp4_sampler.kernels import triton_gemv
     hidden, inter = 2048, 768
     shares = 48
-    lines = tuple(triton_gemv.prefetch_lines(b, shares) for b in (hidden * inter // 2, hidden * inter // 16))
+    lines = tuple(min(triton.next_power_of_2(triton.cdiv(triton.cdiv(b, shares), 128)), triton_gemv.PREFETCH_MAX_LINES)
+                  for b in (hidden * inter // 2, hidden * inter // 16))
     assert lines == (128, 16)
     ptx, log = _pairs_gemv(True, lines)
     _, plain = _pairs_gemv(True)
