@@ -71,9 +71,7 @@ PAIRS_SWEEP = [dict(block_n=bn, block_b=bb, num_warps=w, min_programs=mp)   # th
                for bn, bb, w, mp in ((64, 8, 4, 264), (64, 8, 4, 528), (64, 8, 4, 132), (64, 8, 4, 66),
                                      (32, 8, 4, 264), (32, 8, 4, 132), (128, 8, 8, 264), (64, 16, 8, 132),
                                      (64, 4, 4, 264), (64, 8, 2, 264))] + [dict(pdl=False), dict(pdl=True)] + [
-    dict(w2=dict(min_programs=mp)) for mp in (1, 528)] + [   # w2's split-K alone (at 1 token 256 tiles: 264 splits it in 2)
-    dict(prefetch=False), dict(prefetch=True), dict(prefetch=True, w2=dict(min_programs=1)),   # w2 asked into L2
-    dict(prefetch=True, min_programs=132)]                                                   # by w13's launch
+    dict(w2=dict(min_programs=mp)) for mp in (1, 528)]   # w2's split-K alone (at 1 token 256 tiles: 264 splits it in 2)
 EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g, BLOCK_M=bm, BLOCK_N=bn)   # the exact MoE GEMM at >= 1024 tokens: row

@@ -126,19 +126,6 @@ def _dot16(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, USE_A
                 + _dot8_half(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7, True))
 
 @triton.jit
-def _prefetch_l2(base, nbytes, e, j, J, LINES: tl.constexpr):
-    """Ask L2 for share j of J of expert e's `nbytes` bytes at base + e * nbytes (uint8): 128-byte lines,
-    LINES at a time (`prefetch.global.L2::evict_last`: no registers held, no value changed)."""
-    chunk = tl.cdiv(tl.cdiv(nbytes, J), 128) * 128
-    end = tl.minimum((j + 1) * chunk, nbytes) - 1
-    expert = base + e.to(tl.int64) * nbytes
-    for o in range(j * chunk, end + 1, LINES * 128):
-        off = tl.minimum(o + tl.arange(0, LINES) * 128, end)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [expert + off],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _load_blocks(codes64, scales, rows64, rmask, b0, b_end, NB, BLOCK_B: tl.constexpr):
     """Blocks [R, BLOCK_B] of rows (NB blocks per row) from block b0: codes as int64 (16 codes
     each) and the e4m3 scales as fp32, zero at and beyond block b_end."""
@@ -182,8 +169,6 @@ def _w4a4_gemv_kernel(
     W_ROWS, pair_expert, TOPK,                 # PAIRED: output row p uses expert pair_expert[p] and x row p // TOPK
     out, row_weight, bias, ws, counters,
     combined, GROUP,                           # COMBINE: combined [M / GROUP, N] = each GROUP rows of out summed
-    pf_codes, pf_scales, PF_BYTES, PF_SBYTES,  # PAIRED, PF_LINES: the next launch's stacked weights (uint8 views),
-                                               # bytes of one expert's codes and block scales
     M, N, K,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_B: tl.constexpr,                      # blocks per row read per step of the amax pass
@@ -193,7 +178,6 @@ def _w4a4_gemv_kernel(
     GDC_SIGNAL: tl.constexpr,                  # let a launch after us that waits (GDC_WAIT) start now
     GDC_WAIT: tl.constexpr,                    # launched programmatically: read x only once the launch before ends
     COMBINE: tl.constexpr,                     # PAIRED: the last finished pair of a group adds the group's rows
-    PF_LINES: tl.constexpr, PF_SLINES: tl.constexpr,   # PAIRED: 128-byte lines a program prefetches (0: none)
 ):
     """Decode-size W4A4 GEMM on the packed FP16 units (exact block dots, see `_DOT16`): no shared
     memory, no barrier in the K loop. acc[m, n, b] += dot16(w[n, b], a[m, b]) * (2 s_w s_a).
@@ -207,9 +191,7 @@ def _w4a4_gemv_kernel(
     group of GROUP to finish a column tile (a ticket of its own, after the pairs' split-K tickets) adds the
     group's rows in order from 0 in fp32, rounded once into combined (`triton_moe.combine`'s arithmetic,
     without its launch). GDC_WAIT: the weights (never written by the launch before) are prefetched before
-    the grid-dependency wait, everything else is read or written after it. PF_LINES (PAIRED, CUDA): after its
-    own first weight loads each program asks L2 for its share of the pair's expert in the next launch's
-    weights (pf_codes, pf_scales), so w2's bytes stream while w13 runs; values unchanged."""
+    the grid-dependency wait, everything else is read or written after it."""
     if GDC_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -244,11 +226,6 @@ def _w4a4_gemv_kernel(
     if SWIGLU:
         u_c, u_s = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo, b_hi, NB, BLOCK_B)
         u_c1, u_s1 = _load_blocks(w_codes64, w_scales, wrow + N, cmask, b_lo + BLOCK_B, b_hi, NB, BLOCK_B)
-    if PF_LINES:
-        share = pid_k * tl.num_programs(0) + pid_n
-        shares = tl.num_programs(0) * tl.num_programs(1)
-        _prefetch_l2(pf_codes, PF_BYTES, e, share, shares, PF_LINES)
-        _prefetch_l2(pf_scales, PF_SBYTES, e, share, shares, PF_SLINES)
     if GDC_WAIT:
         tl.extra.cuda.gdc_wait()
     if FUSED:
@@ -452,21 +429,17 @@ def launch_w4a4_gemv(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, bias
             x, x.stride(0), amax, 0 if amax is None or amax.numel() == 1 and scaling == "per_tensor" else 1,
             a_codes, a_scales, a_gs, stride_a_gs,
             w.codes.view(torch.int64), w.block_scales, gs, 0, 0 if gs.dim() == 0 else gs.stride(0), n, None, 1,
-            out, None, bias, ws, cnt, None, 1, None, None, 0, 0, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
+            out, None, bias, ws, cnt, None, 1, m, n, k, FUSED=fused, GIVEN_AMAX=amax is not None,
             PER_TENSOR=scaling == "per_tensor", PAIRED=False, SWIGLU=False, ROW_WEIGHT=False,
             HAS_BIAS=bias is not None, USE_ASM=use_asm, TE=op_order == "te", GDC_SIGNAL=False, GDC_WAIT=False,
-            COMBINE=False, PF_LINES=0, PF_SLINES=0, **cfg)
+            COMBINE=False, **cfg)
     return out
-
-
-PREFETCH_MAX_LINES = 512   # 128-byte lines a program of `launch_w4a4_pairs(prefetch=...)` asks for at once
 
 
 def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pair_expert: torch.Tensor, topk: int,
                       config: dict, swiglu: bool = False, row_weight: torch.Tensor | None = None,
                       op_order: str = "vllm", combined: torch.Tensor | None = None, signal: bool = False,
-                      wait: bool = False, prefetch: NVFP4Tensor | None = None,
-                      use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
+                      wait: bool = False, use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """MoE decode GEMV, one launch: out[p] = linear of x[p // topk] (quantized per token inside the
     launch) with expert pair_expert[p] of w [E, W_ROWS, K] (global_scale [E] or [E, W_ROWS]).
 
@@ -479,9 +452,7 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
     (a token's top-k pairs, as `triton_moe.combine` with weighted=False would, in the launch). Programmatic
     dependent launch (CUDA only): signal lets the next launch start early; wait launches this one so, its
     weights prefetched while the launch before ends (that launch must be the producer of x; pair_expert and
-    row_weight older than it). prefetch (CUDA, use_asm): the next launch's weights, stacked [E, N2, K2] ModelOpt
-    (contiguous codes and block scales): each pair's expert of it is asked into L2 by this launch's programs
-    of the pair, a share each (`_prefetch_l2`); the values are the same with or without."""
+    row_weight older than it)."""
     p, n = out.shape
     e, w_rows, k = w.shape
     if x.dim() != 2 or x.shape[1] != k or x.shape[0] * topk != p or x.stride(-1) != 1:
@@ -500,24 +471,12 @@ def launch_w4a4_pairs(x: torch.Tensor, w: NVFP4Tensor, out: torch.Tensor, *, pai
         ws, cnt = _workspace(out.device, (2 if swiglu else 1) * split_k * p * n if split_k > 1 else 0,
                              (p + groups) * n_tiles)
     gse, gsn = _gs_strides(w.global_scale, 3)
-    pf_args, pf_lines = (None, None, 0, 0), dict(PF_LINES=0, PF_SLINES=0)
-    if prefetch is not None and (prefetch.layout != "modelopt" or prefetch.codes.dim() != 3 or not
-                                 (prefetch.codes.is_contiguous() and prefetch.block_scales.is_contiguous())):
-        raise ValueError(f"prefetch takes contiguous stacked [E, N, K] ModelOpt weights, got {prefetch.layout} "
-                         f"{tuple(prefetch.shape)}")
-    if prefetch is not None and use_asm:
-        shares = n_tiles * split_k
-        nbytes = prefetch.codes[0].numel(), prefetch.block_scales[0].numel()
-        lines = [min(triton.next_power_of_2(triton.cdiv(triton.cdiv(b, shares), 128)), PREFETCH_MAX_LINES)
-                 for b in nbytes]
-        pf_args = (prefetch.codes.view(torch.uint8), prefetch.block_scales.view(torch.uint8), *nbytes)
-        pf_lines = dict(PF_LINES=lines[0], PF_SLINES=lines[1])
     if p and n:
         _w4a4_gemv_kernel[(n_tiles, split_k, p)](
             x, x.stride(0), None, 0, None, None, None, 0,
             w.codes.view(torch.int64), w.block_scales, w.global_scale, gse, gsn, w_rows, pair_expert, topk,
-            out, row_weight, None, ws, cnt, combined, group, *pf_args, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False,
+            out, row_weight, None, ws, cnt, combined, group, p, n, k, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False,
             PAIRED=True, SWIGLU=swiglu, ROW_WEIGHT=row_weight is not None, HAS_BIAS=False, USE_ASM=use_asm,
-            TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, COMBINE=combined is not None, **pf_lines, **cfg,
+            TE=op_order == "te", GDC_SIGNAL=signal, GDC_WAIT=wait, COMBINE=combined is not None, **cfg,
             **({"launch_pdl": True} if wait else {}))
     return out

@@ -208,10 +208,6 @@ PAIRS_MIN_PROGRAMS = 264
 # The w2 launch programmatically after w13's (CUDA): its programs start as w13's leave the SMs and prefetch their
 # weights before the grid-dependency wait. NVFP4_SAMPLER_PAIRS_PDL=0: launched plainly (same bits).
 PAIRS_PDL = triton_quant.PDL and switches.choice("NVFP4_SAMPLER_PAIRS_PDL", ("1", "0")) == "1"
-# w13's launch asks L2 for each pair's expert of w2 (`triton_gemv.launch_w4a4_pairs(prefetch=...)`): w2's 7 MB at
-# 1 token stream while w13 runs instead of when its programs leave the SMs (same bits). Off until measured:
-# NVFP4_SAMPLER_PAIRS_PREFETCH=1 turns it on (engines too); `bench_moe` times both (PAIRS_SWEEP).
-PAIRS_PREFETCH = switches.choice("NVFP4_SAMPLER_PAIRS_PREFETCH", ("0", "1")) == "1"
 # up to this many (token, expert) pairs run as per-pair GEMVs (no routing sort). H100 (docs/BENCHMARKS.md,
 # twenty-first session, 30B-A3B layer, top-8, us pairs / the six-launch `cuda_mma` path): 8 pairs 27.8 / 35.0,
 # 32 pairs 59.6 / 65.2, 64 pairs 98.4 / 94.1; twenty-second: 48 pairs 85.5 / 77.1.
@@ -329,15 +325,13 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     by one in fp32 in slot order, rounded once: `combine`'s arithmetic). strict: batch-invariant (`triton_strict.moe`): the launch configurations
     (split-K, tiles) from the weight shapes and top-k alone, as for one token, never from T.
     config: `triton_gemv.gemv_config` keywords for both launches (benchmark sweeps; block_n, block_b,
-    num_warps, min_programs), "w2": such keywords for w2's launch alone, pdl (`PAIRS_PDL`'s choice) and
-    prefetch (`PAIRS_PREFETCH`'s: w13's launch asks L2 for w2's experts of the pairs)."""
+    num_warps, min_programs), "w2": such keywords for w2's launch alone, and pdl (`PAIRS_PDL`'s choice)."""
     t, h = x.shape
     k = topk_ids.shape[1]
     inter = w13.shape[1] // 2
     pairs = (1 if strict else t) * k               # programs counted over all pairs (one token's in strict)
     over = {"block_b": 8, "min_programs": PAIRS_MIN_PROGRAMS, **(config or {})}
     pdl = over.pop("pdl", PAIRS_PDL) and x.is_cuda
-    prefetch = over.pop("prefetch", PAIRS_PREFETCH) and x.is_cuda
     only2 = over.pop("w2", {})
     cfg13 = triton_gemv.gemv_config(1, inter * pairs, h, **over)
     cfg2 = triton_gemv.gemv_config(1, h * pairs, inter, **{**over, **only2})
@@ -346,7 +340,7 @@ def _moe_pairs(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     x = x if x.stride(-1) == 1 else x.contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     triton_gemv.launch_w4a4_pairs(x, w13, act, pair_expert=pair_expert, topk=k, swiglu=True, op_order=op_order,
-                                  config=cfg13, signal=pdl, prefetch=w2 if prefetch else None)
+                                  config=cfg13, signal=pdl)
     y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     triton_gemv.launch_w4a4_pairs(act, w2, y, pair_expert=pair_expert, topk=1, row_weight=row_weight,

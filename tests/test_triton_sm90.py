@@ -155,9 +155,12 @@ def test_combine_kernel_compiles_without_spills(weighted):
     assert "0 bytes spill stores" in log, log
 
 
-def _pairs_gemv(swiglu: bool, pf_lines: tuple[int, int] = (0, 0)) -> tuple[str, str]:
-    """(PTX, ptxas -v output) of the per-pair MoE GEMV as `triton_moe._moe_pairs` launches it for one token of
-    the 30B-A3B layer (w13: SWIGLU, signals; w2: waits, combines); pf_lines: w13's L2 prefetch of w2."""
+@pytest.mark.parametrize("swiglu", [True, False], ids=["w13-signals", "w2-waits"])
+def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(swiglu):
+    """The per-pair MoE GEMVs as `triton_moe._moe_pairs` launches them with programmatic dependent launch: w13
+    lets w2 start (launch_dependents, before any memory access), w2 (each token's pairs combined in the launch)
+    issues its weight prefetch, then waits (griddepcontrol.wait) before its first read of the activations and
+    before any store or atomic; no spills."""
     from nvfp4_sampler.kernels import triton_gemv, triton_moe
     hidden, inter, pairs = 2048, 768, 8
     n, k = (inter, hidden) if swiglu else (hidden, inter)
@@ -165,34 +168,20 @@ def _pairs_gemv(swiglu: bool, pf_lines: tuple[int, int] = (0, 0)) -> tuple[str, 
     warps = cfg.pop("num_warps")
     consts = dict(cfg, FUSED=True, GIVEN_AMAX=False, PER_TENSOR=False, PAIRED=True, SWIGLU=swiglu,
                   ROW_WEIGHT=not swiglu, HAS_BIAS=False, USE_ASM=True, TE=False, GDC_SIGNAL=swiglu, GDC_WAIT=not swiglu,
-                  COMBINE=not swiglu, PF_LINES=pf_lines[0], PF_SLINES=pf_lines[1], amax=None, a_codes64=None,
-                  a_scales=None, a_gs=None, bias=None)
+                  COMBINE=not swiglu, amax=None, a_codes64=None, a_scales=None, a_gs=None, bias=None)
     if swiglu:
         consts.update(row_weight=None, combined=None, GROUP=1)
-    if not pf_lines[0]:
-        consts.update(pf_codes=None, pf_scales=None, PF_BYTES=0, PF_SBYTES=0)
     sig = {"x": "*bf16", "stride_xm": "i32", "amax": "constexpr", "stride_amax": "i32", "a_codes64": "constexpr",
            "a_scales": "constexpr", "a_gs": "constexpr", "stride_a_gs": "i32", "w_codes64": "*i64",
            "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "W_ROWS": "i32",
            "pair_expert": "*i32", "TOPK": "i32", "out": "*bf16" if swiglu else "*fp32",
            "row_weight": "constexpr" if swiglu else "*fp32", "bias": "constexpr", "ws": "*fp32", "counters": "*i32",
            "combined": "constexpr" if swiglu else "*bf16", "GROUP": "constexpr" if swiglu else "i32",
-           "pf_codes": "*u8", "pf_scales": "*u8", "PF_BYTES": "i32", "PF_SBYTES": "i32",
            "M": "i32", "N": "i32", "K": "i32"}
-    sig.update({name: "constexpr" for name in consts})
-    return _compile(triton_gemv._w4a4_gemv_kernel, sig, consts,
-                    ("x", "stride_xm", "w_codes64", "w_scales", "w_gs", "pair_expert", "out", "ws", "counters", "N",
-                     "K") + (("pf_codes", "pf_scales", "PF_BYTES", "PF_SBYTES") if pf_lines[0] else ()),
-                    num_warps=warps)
-
-
-@pytest.mark.parametrize("swiglu", [True, False], ids=["w13-signals", "w2-waits"])
-def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(swiglu):
-    """The per-pair MoE GEMVs as `triton_moe._moe_pairs` launches them with programmatic dependent launch: w13
-    lets w2 start (launch_dependents, before any memory access), w2 (each token's pairs combined in the launch)
-    issues its weight prefetch, then waits (griddepcontrol.wait) before its first read of the activations and
-    before any store or atomic; no spills."""
-    ptx, log = _pairs_gemv(swiglu)
+    sig.update({name: "constexpr" for name in consts if name not in sig})
+    ptx, log = _compile(triton_gemv._w4a4_gemv_kernel, sig, consts,
+                        ("x", "stride_xm", "w_codes64", "w_scales", "w_gs", "pair_expert", "out", "ws", "counters",
+                         "N", "K"), num_warps=warps)
     assert "0 bytes spill stores" in log, log
     body = ptx[ptx.index(".entry"):]
     if swiglu:
@@ -205,24 +194,3 @@ def test_pairs_gemv_waits_for_the_launch_before_only_after_its_weight_prefetch(s
         assert before.count("ld.global") >= 4                    # the weight prefetch: codes and scales, 2 steps
         assert "st.global" not in before and "atom." not in before and "red." not in before
         assert "ld.global" in after                              # the activations
-
-
-def test_pairs_w13_asks_l2_for_w2_after_its_own_first_loads_without_spills():
-    """`launch_w4a4_pairs(prefetch=w2)` at one token of the 30B-A3B layer (48 programs a pair: 16 KB of an
-    expert's codes, 2 KB of its scales each): `prefetch.global.L2::evict_last` instructions after the program's
-    own first weight loads, before its first store; no spills, at most 8 registers more than without."""
-    from nvfp4_sampler.kernels import triton_gemv
-    hidden, inter = 2048, 768
-    shares = 48
-    lines = tuple(min(triton.next_power_of_2(triton.cdiv(triton.cdiv(b, shares), 128)), triton_gemv.PREFETCH_MAX_LINES)
-                  for b in (hidden * inter // 2, hidden * inter // 16))
-    assert lines == (128, 16)
-    ptx, log = _pairs_gemv(True, lines)
-    _, plain = _pairs_gemv(True)
-    assert "0 bytes spill stores" in log, log
-    body = ptx[ptx.index(".entry"):]
-    assert "prefetch.global.L2::evict_last" in body
-    first_pf = body.index("prefetch.global.L2")
-    assert body.index("ld.global") < first_pf < body.index("st.global")
-    regs = [int(re.search(r"Used (\d+) registers", text).group(1)) for text in (log, plain)]
-    assert regs[0] <= regs[1] + 8, regs
