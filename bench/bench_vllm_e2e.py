@@ -37,14 +37,12 @@ tokens (NVFP4_SAMPLER_EXACT_MIN_M=33), --one-tile with one tile a CTA at every s
 launched as a programmatic dependent of the quantizer up to 16 tokens (NVFP4_SAMPLER_PDL_MAX_M=16; the
 default: at one token only; at every size it lost at batch 64 in four runs of four: its batch 1 and 64 are
 the default's launches, a control of the spread),
---global-split-k with split-K through global planes instead of clusters (NVFP4_SAMPLER_SPLIT_K=global),
---next-prefetch with each linear's decode kernel asking L2 for the next linear's weight
-(NVFP4_SAMPLER_NEXT_PREFETCH=1): the kernel choice measured end to end.
+--global-split-k with split-K through global planes instead of clusters (NVFP4_SAMPLER_SPLIT_K=global): the
+kernel choice measured end to end.
 
     python3 bench/bench_vllm_e2e.py [--quick | --shapes qwen3-8b:12,...] [--mode compiled|graphs|eager] [--strict]
                                     [--dynamo] [--wgmma] [--exact] [--one-tile] [--pdl]
-                                    [--global-split-k] [--next-prefetch]
-                                    [--out FILE.json]
+                                    [--global-split-k] [--out FILE.json]
 
 (on the H200: `bash bench/h200.sh bench_e2e`, which installs vLLM and this checkout first; results JSON
 under $OUT by default, ratio table printed)
@@ -110,8 +108,6 @@ KERNEL_VARIANTS = {
                   "the decode kernel a programmatic dependent of the quantizer up to 16 tokens"),
     "nvfp4_moe_mma": ("--moe-mma", {"NVFP4_SAMPLER_PAIRED_MAX_PAIRS": "0"},
                       "the MoE's tensor-core grouped launches from 1 token (no per-pair GEMVs)"),
-    "nvfp4_next_prefetch": ("--next-prefetch", {"NVFP4_SAMPLER_NEXT_PREFETCH": "1"},
-                            "each linear's decode kernel asking L2 for the next linear's weight"),
     "nvfp4_global": ("--global-split-k", {"NVFP4_SAMPLER_SPLIT_K": "global"},
                      "split-K through global FP32 planes instead of thread-block clusters (no cluster launches)"),
 }

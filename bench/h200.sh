@@ -99,10 +99,6 @@ step() {   # step NAME: its timeout (s) and command
     # the MoE's tensor-core grouped launches from 1 token (NVFP4_SAMPLER_PAIRED_MAX_PAIRS=0) beside the per-pair GEMVs
     bench_e2e_moe_mma) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-30b-a3b:16 --moe-mma --profiled 1
                               --out $OUT/bench_vllm_e2e_moe_mma.json" ;;
-    # each linear's decode kernel asking L2 for the next linear's weight (NVFP4_SAMPLER_NEXT_PREFETCH=1) beside the
-    # default: the 1.7B (all three batch goals missed on the small launches' latency floor)
-    bench_e2e_1.7b_next) limit=500; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-1.7b:28 --next-prefetch
-                              --profiled 1 --out $OUT/bench_vllm_e2e_1.7b_next.json" ;;
     bench_e2e_8b) limit=420; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --out $OUT/bench_vllm_e2e_8b.json" ;;
     bench_e2e_wgmma) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:12 --wgmma
                               --out $OUT/bench_vllm_e2e_wgmma.json" ;;

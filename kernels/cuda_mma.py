@@ -563,8 +563,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
           a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K) on dense
           launches whose landing space fits
     next_weight  the weight the launch after this one reads (any layout, codes and block scales contiguous, on x's
-          device): its bytes (whole 16-byte units) asked into L2, a share a CTA, before the dependency wait (values
-          unchanged); None: none
+          device): its bytes asked into L2, a share a CTA, before the dependency wait (values unchanged); None: none
     """
     codes = x_scales is not None
     m, k = x.shape[0], x.shape[1] * (2 if codes else 1)
@@ -600,9 +599,11 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     if not 2 <= stages <= 8:
         raise ValueError(f"stages must be in [2, 8], got {stages}")
     if next_weight is not None and not (next_weight.codes.is_contiguous() and next_weight.block_scales.is_contiguous()
-                                        and next_weight.codes.device == x.device):
-        raise ValueError(f"next_weight must hold contiguous codes and block scales on {x.device}, got "
-                         f"{tuple(next_weight.shape)} on {next_weight.codes.device}")
+                                        and next_weight.codes.device == x.device
+                                        and next_weight.codes.numel() % 16 == 0
+                                        and next_weight.block_scales.numel() % 16 == 0):
+        raise ValueError(f"next_weight must hold contiguous codes and block scales of multiples of 16 bytes on {x.device}, "
+                         f"got {tuple(next_weight.shape)} on {next_weight.codes.device}")
     if m == 0:
         return out
     cfg = config(n, k, cps=cps, cluster=cluster)
@@ -634,9 +635,9 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_scales), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(counters), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
-    args += ([_ptr(next_weight.codes), _ptr(next_weight.block_scales),      # whole 16-byte units (a hint: no tail)
-              ctypes.c_uint(next_weight.codes.numel() // 16 * 16), ctypes.c_uint(next_weight.block_scales.numel() // 16 * 16)]
-             if next_weight is not None else [_ptr(None), _ptr(None), ctypes.c_uint(0), ctypes.c_uint(0)])
+    args += ([_ptr(next_weight.codes), _ptr(next_weight.block_scales), ctypes.c_uint(next_weight.codes.numel()),
+              ctypes.c_uint(next_weight.block_scales.numel())] if next_weight is not None
+             else [_ptr(None), _ptr(None), ctypes.c_uint(0), ctypes.c_uint(0)])
     ctas = row_ctas
     if persist:
         resident = _resident_ctas(kernel, 32 * rw, smem, dev, slices if cluster else 1)

@@ -10,9 +10,7 @@ A backend is a class with
                                              a quantizer-only choice compiles no GEMM)
 and the ops (`quantize_weight`, `quantize_activations`, `linear`, `moe`), each taking the
 quantizer's `op_order` ("vllm", the spec, or "te": `kernels.reference`); `linear` and `moe` also
-take `strict` (batch-invariant sums: the reference in fp64, the GPU backends' `triton_strict`), `linear`
-`next_weight` (the next linear's weight, asked into L2 by the GPU backends' decode kernel outside strict; the
-reference ignores it).
+take `strict` (batch-invariant sums: the reference in fp64, the GPU backends' `triton_strict`).
 `choose_backend` runs once per layer when an engine creates or loads its weights: it walks PRIORITY
 (or honours a forced name) and fails with every collected reason; the torch reference is always
 supported and always last (for strict on a GPU only when forced). A
@@ -121,8 +119,7 @@ class ReferenceBackend:
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
-               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False,
-               next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
         x, bad = _split_nonfinite(x, per_token=scaling == "per_token")
         return _poison(reference.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
                                         accumulate=_accumulate(strict)), bad)
@@ -216,13 +213,11 @@ class TritonHopperBackend:
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
-               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False,
-               next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
         if strict:
             raise ValueError("triton_hopper: strict linears run on hopper_mma (see can_implement)")
         from . import triton_gemm
-        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
-                                  next_weight=next_weight)
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
 
     @staticmethod
     def moe(x, w13, w2, topk_weights, topk_ids, *, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
@@ -275,15 +270,13 @@ class HopperMmaBackend(TritonHopperBackend):
 
     @staticmethod
     def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, scaling: str,
-               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False,
-               next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+               amax: torch.Tensor | None = None, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
         w = w.replace(layout="mma_tiled")                      # the layout this backend's layers store
         if strict:
             from . import triton_strict
             return triton_strict.linear(x, w, bias=bias, amax=amax, op_order=op_order)
         from . import triton_gemm
-        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
-                                  next_weight=next_weight)
+        return triton_gemm.linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order)
 
 
 BACKENDS: dict[str, type] = {"hopper_mma": HopperMmaBackend, "triton_hopper": TritonHopperBackend,

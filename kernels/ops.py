@@ -26,9 +26,7 @@ Tensor = torch.Tensor
 
 @torch.library.custom_op("nvfp4_sampler::linear", mutates_args=())
 def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor, bias: Optional[Tensor],
-           amax: Optional[Tensor], next_codes: Optional[Tensor] = None, next_block_scales: Optional[Tensor] = None,
-           next_global_scale: Optional[Tensor] = None, *, scaling: str, op_order: str, backend: str,
-           strict: bool = False) -> Tensor:
+           amax: Optional[Tensor], *, scaling: str, op_order: str, backend: str, strict: bool = False) -> Tensor:
     """W4A4 linear: quantize x per `scaling`, multiply by the NVFP4 weight, add bias.
 
     Parameters
@@ -42,9 +40,6 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
     amax : Optional[Tensor]
         Activation amax override, float32 [...] (= x.shape[:-1]) per token or [] per tensor (the
         tensor-parallel all-reduced amax of a row-parallel layer); None: the backend reduces x.
-    next_codes, next_block_scales, next_global_scale : Optional[Tensor]
-        The weight the next linear of the step reads (the layer core's `nvfp4_next`), asked into L2 by the
-        backend's decode kernel where it has one (the same result); None: none.
     scaling : str
         "per_token" or "per_tensor".
     op_order : str
@@ -60,14 +55,12 @@ def linear(x: Tensor, codes: Tensor, block_scales: Tensor, global_scale: Tensor,
         [..., N] in x.dtype.
     """
     w = NVFP4Tensor(codes, block_scales, global_scale)
-    nxt = None if next_codes is None else NVFP4Tensor(next_codes, next_block_scales, next_global_scale)
     return dispatch.BACKENDS[backend].linear(x, w, bias=bias, scaling=scaling, amax=amax, op_order=op_order,
-                                             strict=strict, next_weight=nxt)
+                                             strict=strict)
 
 
 @linear.register_fake
-def _linear_fake(x, codes, block_scales, global_scale, bias, amax, next_codes=None, next_block_scales=None,
-                 next_global_scale=None, *, scaling, op_order, backend, strict=False):
+def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, op_order, backend, strict=False):
     return x.new_empty((*x.shape[:-1], codes.shape[-2]))
 
 

@@ -56,10 +56,6 @@ from .policy import quantized_linear_shards
 WARMUP_TOKENS = tuple(sorted({n for i in range(14) for n in (1 << i, (1 << i) + 1, (3 << i) >> 1) if n <= 8192}))
 WARMUP = switches.choice("NVFP4_SAMPLER_WARMUP", ("1", "0")) == "1"
 _WARMED: set[tuple] = set()
-# Each NVFP4 linear's decode kernel asks L2 for the weight of the linear processed after it (`LinearChain`): that
-# weight's DRAM time overlaps the launch before it and what runs between (the same bits). Off until measured
-# (`bench_graph_launch.py --chain`, docs/BENCHMARKS.md); NVFP4_SAMPLER_NEXT_PREFETCH=1 turns it on.
-NEXT_PREFETCH = switches.choice("NVFP4_SAMPLER_NEXT_PREFETCH", ("0", "1")) == "1"
 
 
 class ConfigCore:
@@ -72,13 +68,12 @@ class ConfigCore:
         super().__init__()
         self.sampler = sampler or SamplerConfig()
         self.memory = layers.MemoryReport()      # logged once every quantized layer is loaded
-        self.chain = LinearChain() if NEXT_PREFETCH else None
 
     def linear_method(self, method_cls: type[LinearCore], prefix: str) -> LinearCore | None:
         """`method_cls` for linear module `prefix` if it is NVFP4 (its fused parts named from
         `packed_modules_mapping`), None if it stays BF16."""
         names = quantized_linear_shards(prefix, self.packed_modules_mapping, self.sampler)
-        return None if names is None else method_cls(self.sampler, prefix, names, self.memory, self.chain)
+        return None if names is None else method_cls(self.sampler, prefix, names, self.memory)
 
     def get_name(self) -> str:
         return METHOD_NAME
@@ -207,12 +202,7 @@ class LayerCore:
         for w in loaded.values():
             self.memory.processed_weight(w)
         self.memory.processed_layer()
-        if first:
-            self._first_loaded(layer)
-
-    def _first_loaded(self, layer: torch.nn.Module) -> None:
-        """After the layer's first post-load step: the load-time warm-up (CUDA, `WARMUP`)."""
-        if WARMUP and next(iter(layer.nvfp4_serving.values())).codes.is_cuda:
+        if first and WARMUP and next(iter(loaded.values())).codes.is_cuda:
             self.warm_up(layer)
 
     def warm_up(self, layer: torch.nn.Module, tokens: tuple[int, ...] = WARMUP_TOKENS) -> int:
@@ -257,33 +247,15 @@ def _load_experts(layer: torch.nn.Module, param: torch.nn.Parameter, loaded_weig
     return True if return_success else None
 
 
-class LinearChain:
-    """One model's NVFP4 linears in the order the engine first processes them after loading (its module order:
-    qkv, o, gate_up, down, then the next layer's, a decode step's order in the decoder models served). Each
-    linear gets the serving weight of the one after it on its device as `nvfp4_next` (`NEXT_PREFETCH`)."""
-
-    def __init__(self):
-        self.last: torch.nn.Module | None = None
-
-    def follow(self, layer: torch.nn.Module) -> None:
-        w = layer.nvfp4_serving["weight"]
-        if self.last is not None and self.last.nvfp4_serving["weight"].codes.device == w.codes.device:
-            self.last.nvfp4_next = w
-        self.last = layer
-
-
 class LinearCore(LayerCore):
     """One NVFP4 linear layer (possibly fused, possibly tensor-parallel); `shard_names` are the
-    checkpoint prefixes of its parts, in the engine's output order; `chain`: the model's `LinearChain`
-    (None: no next-weight prefetch)."""
+    checkpoint prefixes of its parts, in the engine's output order."""
 
     storages = ("weight",)
 
-    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str], memory: layers.MemoryReport,
-                 chain: LinearChain | None = None):
+    def __init__(self, config: SamplerConfig, prefix: str, shard_names: list[str], memory: layers.MemoryReport):
         super().__init__(config, prefix, memory)
         self.shard_names = shard_names
-        self.chain = chain
 
     def parallel(self, layer: torch.nn.Module) -> LinearParallel:
         """Engine hook: the layer's tensor-parallel placement (read at the first load)."""
@@ -302,7 +274,6 @@ class LinearCore(LayerCore):
         layer.nvfp4_geometry = (list(output_sizes), input_size, k_part)
         layer.nvfp4_tp_group = tp_group
         layer.nvfp4_dtype = dtype
-        layer.nvfp4_next = None                    # the next linear's weight (`LinearChain`), set at its first load
         self._register(layer, {"weight": w}, _load_linear, op="linear", k=k_part, tp_amax=tp_group is not None,
                        rows=tuple(output_sizes), dtype=dtype)
 
@@ -328,16 +299,10 @@ class LinearCore(LayerCore):
         index = layers.QKV_SHARD_INDEX[shard_id] if isinstance(shard_id, str) else (shard_id or 0)
         return self.shards(layer)[index]
 
-    def _first_loaded(self, layer: torch.nn.Module) -> None:
-        """The warm-up, then this linear joins the model's `LinearChain` (where there is one)."""
-        super()._first_loaded(layer)
-        if self.chain is not None:
-            self.chain.follow(layer)
-
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w = NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2)
         return layers.apply_linear(x, w, bias=bias, config=self.config, backend=layer.nvfp4_backend,
-                                   tp_group=layer.nvfp4_tp_group, next_weight=layer.nvfp4_next)
+                                   tp_group=layer.nvfp4_tp_group)
 
     def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
         if layer.nvfp4_tp_group is not None:       # its amax all-reduce: every rank would have to join

@@ -316,7 +316,7 @@ def choose_backend(config: SamplerConfig, *, op: str, name: str, device: torch.d
 
 
 def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, config: SamplerConfig,
-                 backend: str | None = None, tp_group=None, next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+                 backend: str | None = None, tp_group=None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x.dtype: activations quantized per config, W4A4 GEMM
     (`torch.ops.nvfp4_sampler.linear`).
 
@@ -327,8 +327,6 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
     per tensor) is then all-reduced (MAX) over the group first (a functional collective, so
     torch.compile traces it), and every rank quantizes its slice with the scale of the whole row:
     the codes equal those of the unsharded layer (and of the learner).
-    next_weight: the weight of the linear that runs next (the layer core's `nvfp4_next`), asked into L2 by the
-    decode kernel (the same result).
     """
     amax = None
     if tp_group is not None:
@@ -338,9 +336,7 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
     if backend is None:
         backend = choose_backend(config, op="linear", name="linear", device=x.device, k=x.shape[-1],
                                  tp_amax=amax is not None)
-    nxt = (None, None, None) if next_weight is None else (next_weight.codes, next_weight.block_scales,
-                                                          next_weight.global_scale)
-    return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax, *nxt,
+    return torch.ops.nvfp4_sampler.linear(x, w.codes, w.block_scales, w.global_scale, bias, amax,
                                           scaling=config.recipe.activation_scaling, op_order=config.recipe.op_order,
                                           backend=backend, strict=config.strict)
 

@@ -135,7 +135,6 @@ def _op_cases(device: str):
     amax = x.abs().float().amax(-1) * 2
     e, h, i = 4, 64, 32
     w13, w2 = _weight(2 * i, h, seed=2, device=device, experts=e), _weight(h, i, seed=3, device=device, experts=e)
-    nxt = _weight(48, 128, seed=6, device=device)            # the next linear's weight (an L2 hint)
     ids = torch.randint(0, e, (5, 2), generator=torch.Generator().manual_seed(4)).to(device)
     wts = torch.rand(5, 2, generator=torch.Generator().manual_seed(5)).to(device)
     ops = torch.ops.nvfp4_sampler
@@ -146,8 +145,6 @@ def _op_cases(device: str):
          dict(scaling="per_tensor", op_order="te", backend=backend)),
         (ops.linear.default, (x[None], w.codes, w.block_scales, gs_rows, None, amax[None]),
          dict(scaling="per_token", op_order="te", backend="reference")),
-        (ops.linear.default, (x, w.codes, w.block_scales, gs_rows, None, None, nxt.codes, nxt.block_scales,
-                              nxt.global_scale), dict(scaling="per_token", op_order="vllm", backend=backend)),
         (ops.moe.default, (x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
                            w2.global_scale, wts, ids), dict(op_order="vllm", backend=backend)),
         (ops.quantize_activations.default, (x, None), dict(scaling="per_token", op_order="te", backend=backend)),
@@ -197,18 +194,16 @@ def test_fake_shapes():
 class _Block(torch.nn.Module):
     """Two NVFP4 linears and a BF16 op between them, the way an engine's forward calls the layer ops."""
 
-    def __init__(self, config: SamplerConfig, chained: bool = False):
+    def __init__(self, config: SamplerConfig):
         super().__init__()
         self.config = config
-        self.chained = chained                     # the first linear passes the second's weight (`LinearChain`)
         self.w1, self.w2 = (NVFP4Tensor(*(torch.nn.Parameter(t, requires_grad=False) for t in (
             w.codes, w.block_scales, w.global_scale.expand(w.codes.shape[0]).contiguous())))
             for w in (_weight(128, 64, seed=1, device="cpu"), _weight(64, 128, seed=2, device="cpu")))
         self.backend = layers.choose_backend(config, op="linear", name="block", device="cpu", k=64)
 
     def forward(self, x):
-        h = layers.apply_linear(x, self.w1, bias=None, config=self.config, backend=self.backend,
-                                next_weight=self.w2 if self.chained else None)
+        h = layers.apply_linear(x, self.w1, bias=None, config=self.config, backend=self.backend)
         return layers.apply_linear(torch.nn.functional.silu(h), self.w2, bias=None, config=self.config,
                                    backend=self.backend)
 
@@ -220,17 +215,6 @@ def test_compiled_layer_forward_equals_eager(scaling):
     for m in (1, 5, 33):
         x = _x(m, 64, seed=m, device="cpu")
         assert torch.equal(compiled(x), block(x)), m
-
-
-def test_compiled_chained_forward_traces_the_next_weight_and_changes_no_bit():
-    """The first linear passing the second's weight (`core.LinearChain`, NVFP4_SAMPLER_NEXT_PREFETCH): the op
-    takes it in a full graph, and the output is the unchained block's bitwise (a prefetch hint only)."""
-    config = SamplerConfig()
-    chained, plain = _Block(config, chained=True), _Block(config)
-    compiled = torch.compile(chained, fullgraph=True, dynamic=True)
-    for m in (1, 5):
-        x = _x(m, 64, seed=m, device="cpu")
-        assert torch.equal(compiled(x), plain(x)), m
 
 
 def test_compiled_moe_forward_equals_eager():
