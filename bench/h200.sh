@@ -106,11 +106,6 @@ step() {   # step NAME: its timeout (s) and command
                               --out $OUT/bench_vllm_e2e_exact.json" ;;   # full depth, three engines (~420 s)
     bench_e2e_persist) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --one-tile
                               --out $OUT/bench_vllm_e2e_persist.json" ;;   # full depth, three engines (~420 s)
-    # each decode linear's kernel asking L2 for the next linear's weight, distinct weights per layer (bits: mma step)
-    bench_chain_1.7b) limit=300; cmd="python3 bench/bench_graph_launch.py --chain 1.7b --layers 28 --ms 1,16,64
-                              --json $OUT/bench_chain_1.7b.json" ;;
-    bench_chain_8b) limit=300; cmd="python3 bench/bench_graph_launch.py --chain 8b --layers 36 --ms 1,16
-                              --json $OUT/bench_chain_8b.json" ;;
     bench_graph_launch) limit=300; cmd="python3 bench/bench_graph_launch.py --json $OUT/bench_graph_launch.json" ;;
     bench_e2e_pdl) limit=575; cmd="python3 bench/bench_vllm_e2e.py --shapes qwen3-8b:36 --pdl
                               --out $OUT/bench_vllm_e2e_pdl.json" ;;   # full depth, three engines (~430 s)

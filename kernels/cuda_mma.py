@@ -533,7 +533,7 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
            rw: int | None = None, nt: int | None = None, stages: int = STAGES, wgmma: bool | None = None,
            cluster: bool | None = None, persist: bool | None = None, persist_ctas: int | None = None,
            prefetch: bool | None = None, push: bool | None = None,
-           x_scales: torch.Tensor | None = None, next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+           x_scales: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] = ((x @ deq_unscaled(w).T) * x_gs[:, None]) * S_dec_w[None, :] (+ bias), rounded once.
 
     x     fp16 [M, K] contiguous: exact e2m1(q) * s values of the per-token quantized activation; or
@@ -562,8 +562,6 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     push  the cluster's split-K partial sums pushed into their owner CTAs (where the launch splits K through
           a cluster, one tile a CTA, rw >= S; the same bits); None: `PUSH` (NVFP4_SAMPLER_SPLIT_K) on dense
           launches whose landing space fits
-    next_weight  the weight the launch after this one reads (any layout, codes and block scales contiguous, on x's
-          device): its bytes asked into L2, a share a CTA, before the dependency wait (values unchanged); None: none
     """
     codes = x_scales is not None
     m, k = x.shape[0], x.shape[1] * (2 if codes else 1)
@@ -598,12 +596,6 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
         gs_row, gs_expert = (0 if gs.dim() == 1 else gs.stride(1)), gs.stride(0)
     if not 2 <= stages <= 8:
         raise ValueError(f"stages must be in [2, 8], got {stages}")
-    if next_weight is not None and not (next_weight.codes.is_contiguous() and next_weight.block_scales.is_contiguous()
-                                        and next_weight.codes.device == x.device
-                                        and next_weight.codes.numel() % 16 == 0
-                                        and next_weight.block_scales.numel() % 16 == 0):
-        raise ValueError(f"next_weight must hold contiguous codes and block scales of multiples of 16 bytes on {x.device}, "
-                         f"got {tuple(next_weight.shape)} on {next_weight.codes.device}")
     if m == 0:
         return out
     cfg = config(n, k, cps=cps, cluster=cluster)
@@ -635,9 +627,6 @@ def launch(x: torch.Tensor, x_gs: torch.Tensor, w: NVFP4Tensor, out: torch.Tenso
     args = [_ptr(w.codes), _ptr(w.block_scales), _ptr(gs), ctypes.c_int(gs_row),
             _ptr(x), _ptr(x_scales), _ptr(x_gs), _ptr(bias), _ptr(out), _ptr(partials), _ptr(counters), _ptr(schedule), ctypes.c_int(gs_expert),
             ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(cfg["CPS"])]
-    args += ([_ptr(next_weight.codes), _ptr(next_weight.block_scales), ctypes.c_uint(next_weight.codes.numel()),
-              ctypes.c_uint(next_weight.block_scales.numel())] if next_weight is not None
-             else [_ptr(None), _ptr(None), ctypes.c_uint(0), ctypes.c_uint(0)])
     ctas = row_ctas
     if persist:
         resident = _resident_ctas(kernel, 32 * rw, smem, dev, slices if cluster else 1)

@@ -562,7 +562,7 @@ def _mma_options(m: int, w: NVFP4Tensor, batch_invariant: bool) -> dict:
 
 def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None, scaling: str = "per_token",
            amax: torch.Tensor | None = None, op_order: str = "vllm", path: str | None = None,
-           batch_invariant: bool = False, next_weight: NVFP4Tensor | None = None) -> torch.Tensor:
+           batch_invariant: bool = False) -> torch.Tensor:
     """W4A4 linear on CUDA: x [..., K] float, w [N, K] NVFP4 (global_scale [] or [N]) -> [..., N]
     in x.dtype. scaling "per_token" (default) or "per_tensor". amax: optional activation amax
     override, fp32 [...] (= x.shape[:-1]) per token or [] per tensor (`reference.linear`).
@@ -572,8 +572,7 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     the scales and bias fused, K % 64 == 0; at M <= MMA_MAX_M with K % 128 == 0 `exact_small_config`'s
     tiles, the codes decoded in the GEMM; forced only until measured); default `linear_path`.
     batch_invariant: the mma path keeps `cuda_mma.config`'s split-K at every M (strict mode) instead of
-    `cuda_mma.throughput_options`' faster one from 9 tokens. next_weight: the weight the next linear reads, asked
-    into L2 by the mma path's kernel (`cuda_mma.launch`'s; the same bits; the other paths ignore it)."""
+    `cuda_mma.throughput_options`' faster one from 9 tokens."""
     if w.codes.dim() != 2:
         raise ValueError(f"linear expects a weight [N, K], got shape {tuple(w.shape)}")
     if scaling not in ACTIVATION_SCALINGS:
@@ -592,14 +591,13 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
     if path == "mma" and cuda_mma.X_CODES:             # the activation's codes and scales, then the kernel
         q = triton_quant.quantize_per_token(x2, amax=amax, op_order=op_order)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        cuda_mma.launch(q.codes, q.global_scale, w, out, bias=bias, x_scales=q.block_scales, next_weight=next_weight,
+        cuda_mma.launch(q.codes, q.global_scale, w, out, bias=bias, x_scales=q.block_scales,
                         **_mma_options(x2.shape[0], w, batch_invariant))
     elif path in ("mma", "exact"):                     # exact FP16 rows, then the tensor-core kernel
         a = triton_quant.quantize_per_token_exact(x2, amax=amax, op_order=op_order, dtype=torch.float16)
         out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if path == "mma":
-            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, next_weight=next_weight,
-                            **_mma_options(x2.shape[0], w, batch_invariant))
+            cuda_mma.launch(a.values, a.global_scale, w, out, bias=bias, **_mma_options(x2.shape[0], w, batch_invariant))
         else:
             small = x2.shape[0] <= cuda_mma.MMA_MAX_M and w.shape[-1] % 128 == 0    # decode sizes: codes decoded
             launch_exact(a, w, out, bias=bias, config=exact_small_config(x2.shape[0], *w.shape) if small else None)

@@ -17,14 +17,3 @@ def test_table_prints_every_form_with_its_ratios():
     assert lines[0] == "\n# test device; Qwen3-8B linears x 36 layers as one CUDA graph; medians of 50"
     assert lines[2].split() == ["64", "bf16", "144", "584.0", "4.06", "5867.0", "0.10"]
     assert lines[3].split() == ["64", "nvfp4", "288", "1145.0", "3.98", "4629.0", "0.25"]
-
-
-def test_chain_table_prints_a_layer_s_time_and_the_prefetch_ratios():
-    rows = {"bf16": dict(kernels=112, host_us=400.0, gpu_us=2800.0),
-            "nvfp4": dict(kernels=224, host_us=800.0, gpu_us=2240.0),
-            "nvfp4 next prefetched": dict(kernels=224, host_us=800.0, gpu_us=1960.0)}
-    lines: list[str] = []
-    bg.print_chain({1: rows}, "test device", "1.7b", 28, print=lines.append)
-    assert lines[0].startswith("\n# test device; 1.7b linears x 28 layers (distinct weights)")
-    assert lines[2].split() == ["1", "100.0", "80.0", "70.0", "1.25x", "1.43x", "1.14x"]
-    assert set(bg.CHAIN_SHAPES) == {"8b", "1.7b", "30b-a3b"}

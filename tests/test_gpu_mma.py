@@ -204,25 +204,6 @@ def test_default_takes_a_longer_slice_at_9_to_16_rows(mods, n, k):
         _check(got, x[:m], w0, None)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_next_weight_prefetch_changes_no_bit(mods, m):
-    """`launch(next_weight=...)` (each CTA asks L2 for a share of the next linear's weight, tiled or ModelOpt, larger
-    or smaller than this one) and `linear(next_weight=...)`: the same bits as without; a next weight of the wrong
-    size or device is refused."""
-    cuda_mma, tg, tq = mods
-    x, w = _x(m, 2048, seed=21), cuda_mma.tile_weight(_w(640, 2048, seed=22, per_row=True))
-    a = tq.quantize_per_token_exact(x, dtype=torch.float16)
-    plain = torch.empty((m, 640), device="cuda", dtype=torch.bfloat16)
-    cuda_mma.launch(a.values, a.global_scale, w, plain)
-    for nxt in (cuda_mma.tile_weight(_w(4096, 4096, seed=23, per_row=False)), _w(48, 384, seed=24, per_row=False)):
-        out = torch.full_like(plain, float("nan"))
-        cuda_mma.launch(a.values, a.global_scale, w, out, next_weight=nxt)
-        assert torch.equal(out, plain)
-        assert torch.equal(tg.linear(x, w, next_weight=nxt), tg.linear(x, w))
-    with pytest.raises(ValueError, match="next_weight"):
-        cuda_mma.launch(a.values, a.global_scale, w, out, next_weight=_w(48, 384, seed=24, per_row=False).to("cpu"))
-
-
 def test_linear_takes_mma_for_decode(mods):
     _, tg, _ = mods
     w = _w(256, 512, seed=5, per_row=False)

@@ -30,9 +30,6 @@
 //             tile's slice when a tile starts), one bulk prefetch for the codes and one for the block scales,
 //             so the DRAM round trips of a slice's later chunks overlap its first ones' (no registers, no
 //             shared memory)
-// At run time, `next_codes` / `next_scales` (next_bytes > 0): before its dependency wait each CTA asks L2 for its
-// share of another weight, the one the launch after this one reads (the next linear of a decode step), so that
-// weight's DRAM time overlaps this launch and whatever runs between the two. Nothing of it is read here.
 //
 // Operands. Weight: ModelOpt NVFP4 (codes uint8 [N, K/2], even element in the low nibble; e4m3 scales
 // [N, K/16]; FP32 S_dec [N] or []), read in place, or (TILED) repacked by `cuda_mma.tile_weight`.
@@ -315,16 +312,6 @@ __device__ __forceinline__ void prefetch_l2(const uint4* codes, const u16* scale
 }
 #endif
 
-// This CTA's share of `bytes` (a multiple of 16) at p asked into L2 by one bulk prefetch, the shares split evenly over
-// the grid in 16-byte units: the next launch's weight (`next_*`), whose DRAM time then overlaps this launch's.
-__device__ __forceinline__ void prefetch_share(const char* p, unsigned bytes) {
-  const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
-  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const unsigned share = ((bytes + ctas - 1) / ctas + 15) & ~15u, lo = cta * share;
-  if (lo < bytes)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + lo), "r"(min(share, bytes - lo)) : "memory");
-}
-
 #if WGMMA
 // The descriptor of one k16 step's B tile at shared address `addr` (K-major, no swizzle; the header's WGMMA):
 // its low word (address >> 4 in bits 0-13, the leading-byte offset from bit 16) and the constant high word.
@@ -409,16 +396,9 @@ w4a16_mma(const uint4* __restrict__ w_codes,    // uint8 [N, K/2] as 16-byte vec
           const int* __restrict__ tiles,        // grouped: int32 [3, gridDim.z] expert, first row, end row; or null
           int w_gs_expert_stride,               // grouped: floats between two experts' global scales
           int M, int N, int K,
-          int cps,                              // chunks of 128 K-elements per split (`cuda_mma._smem_bytes`)
-          const char* __restrict__ next_codes,  // the next launch's weight codes and block scales (any layout), asked
-          const char* __restrict__ next_scales, // into L2 a share a CTA before the dependency wait; next_bytes 0: none
-          unsigned next_bytes, unsigned next_sbytes) {
+          int cps) {                            // chunks of 128 K-elements per split (`cuda_mma._smem_bytes`)
   extern __shared__ uint4 xs[];                 // [chunk][word][token][t]: permuted fp16 pairs; then the rings
   __shared__ int last;
-  if (next_bytes && threadIdx.x == 0) {
-    prefetch_share(next_codes, next_bytes);
-    prefetch_share(next_scales, next_sbytes);
-  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int S = gridDim.y, split = blockIdx.y;
   const int chunks = K >> 7, c0 = split * cps, nc = min(cps, chunks - c0);
