@@ -33,6 +33,8 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_server(args: argparse.Namespace, **flags) -> int:
+    import socket
+
     import uvicorn
 
     from .app import create_app
@@ -40,7 +42,11 @@ def _run_server(args: argparse.Namespace, **flags) -> int:
 
     settings = Settings.from_env(host=args.host, port=args.port, token=args.token, staging_dir=args.staging_dir,
                                  **flags)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    # bound before the app starts: the engine starting in the lifespan (vLLM picks free ports for its own
+    # processes) can then never take the sidecar's port, which uvicorn would bind only after the start-up
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.create_server((settings.host, settings.port), family=family)
+    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="info")).run(sockets=[sock])
     return 0
 
 
