@@ -46,7 +46,8 @@ def _run_server(args: argparse.Namespace, **flags) -> int:
     # processes) can then never take the sidecar's port, which uvicorn would bind only after the start-up
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.create_server((settings.host, settings.port), family=family)
-    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="info")).run(sockets=[sock])
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])   # host and port given for its "running on" line
     return 0
 
 
