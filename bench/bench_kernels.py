@@ -432,6 +432,25 @@ def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
             if ev.self_device_time_total > 0}
 
 
+def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
+    """Each weight's exact GEMM alone over 128-row tiles in its two `triton_moe.EXACT_TALL_FORMS` (codes decoded in
+    the GEMM; FP16 experts, the dequantization included): where `EXACT_CODES_MAX_PAIRS` puts each weight's bound."""
+    k = ti.shape[1]
+    order, _, sched = triton_moe.schedule_rows(ti, w13.shape[0], 128)
+    a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+    act = torch.randn((order.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
+    b = triton_quant.quantize_per_token_exact(act, dtype=torch.float16)
+    y = torch.empty((order.numel(), w2.shape[1]), dtype=torch.float32, device=x.device)
+    out = {}
+    for form in ("codes", "fp16"):
+        c13, c2 = (dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128, W_CODES=form == "codes",
+                        **triton_moe.EXACT_TALL_FORMS[w][form]) for w in ("w13", "w2"))
+        out[f"w13 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(a, w13, act, schedule=sched, swiglu=True,
+                                                                       config=c13, a_index=order // k))
+        out[f"w2 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(b, w2, y, schedule=sched, config=c2))
+    return out
+
+
 def bench_moe(log, quick: bool) -> None:
     e, h, i, k = MOE["experts"], MOE["hidden"], MOE["inter"], MOE["top_k"]
     # as engines load a MoE layer: the tensor-core kernels compiled and the split-K tickets allocated
@@ -488,12 +507,14 @@ def bench_moe(log, quick: bool) -> None:
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
-        if t >= 1024:                             # the exact path's tile order and tiles (every order: the same
-            default = triton_moe.exact_config(t * k, e)  # bits): column tile major re-reads the activations per column
-            row["exact_order_ms"] = {                 # tile; GROUP_M row tiles of one expert share its weights in L2
+        if t >= 1024:   # the exact path's tile order and tiles, both weights (every order: the same bits): column
+            default = triton_moe.exact_config(t * k, w13, w2)   # tile major re-reads the activations per column tile;
+            row["exact_order_ms"] = {                           # GROUP_M row tiles of one expert share its weights in L2
                 "G{GROUP_M} {BLOCK_M}x{BLOCK_N}".format(**c): tried_ms(lambda c=c: [triton_moe._moe_tiled(
-                    x, w13, w2, tw, ti, "vllm", gemm="exact", config=dict(default, **c)) for tw, ti in routes]) / n_routes
+                    x, w13, w2, tw, ti, "vllm", gemm="exact", config={w: dict(d, **c) for w, d in default.items()})
+                    for tw, ti in routes]) / n_routes
                 for c in EXACT_MOE_ORDER_SWEEP}
+            row["exact_forms_ms"] = exact_forms_ms(x, w13, w2, *routes[0])
         try:
             base = graph_ms(lambda: [bf16_grouped_moe(x, w13_t, w2_t, tw, ti) for tw, ti in routes]) / n_routes
             row.update(bf16_grouped_ms=base, speedup_vs_bf16_grouped=base / ours)
@@ -673,7 +694,8 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile"),
                        ("exact_order_ms", "exact (the default's weights), by row tiles per column sweep (G, 0: all) "
-                                          "and tile")):
+                                          "and tile"),
+                       ("exact_forms_ms", "exact, each weight's GEMM alone over 128-row tiles, codes or FP16 experts")):
         for r in by("moe"):
             if key in r:
                 print(f"  {r['tokens']:6d} tokens, {label}: "

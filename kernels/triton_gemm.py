@@ -203,8 +203,10 @@ def _w4a4_kernel(
 
 
 @triton.jit
-def _dequant_exact_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16/fp16 [ROWS, K] = e2m1 * s (exact)."""
+def _dequant_exact_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_ASM: tl.constexpr):
+    """codes uint8 [ROWS, K/2], scales e4m3 [ROWS, K/16] -> out bf16/fp16 [ROWS, K] = e2m1 * s (exact).
+    USE_ASM: the decode's PTX table (GPU) or portable arithmetic (the interpreter; same values)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     kb = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
@@ -212,7 +214,7 @@ def _dequant_exact_kernel(codes, scales, out, ROWS, K, BLOCK_R: tl.constexpr, BL
     rmask = r < ROWS
     c = tl.load(codes + r64[:, None] * (K // 2) + kh[None, :], mask=rmask[:, None] & (kh < K // 2)[None, :], other=0)
     s = tl.load(scales + r64[:, None] * (K // 16) + kb[None, :], mask=rmask[:, None] & (kb < K // 16)[None, :], other=0.0)
-    lo, hi = _decode(c, s, False)
+    lo, hi = _decode(c, s, USE_ASM)
     vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, BLOCK_K))
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out + r64[:, None] * K + kk[None, :], vals.to(out.dtype.element_ty),
@@ -306,13 +308,13 @@ def _tiled_weight_tile(w, w_scales, wrow, cmask, k0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['Z', 'M'])   # counts of tokens: one compilation for all
-def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched, Z, M,
-                       N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched,
+                       Z, M, N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, A_INDEX: tl.constexpr,
                        W_CODES: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
-    a: exact fp16 rows [M, K]. w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
+    a: exact fp16 rows [M, K], or (A_INDEX) output row m reads row a_index[m] of a (and of a_gs). w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
     or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
     2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
     rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
@@ -346,10 +348,11 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
         r1 = M
     rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < r1
+    src = tl.load(a_index + rows, mask=rmask, other=0) if A_INDEX else rows      # the rows of a read
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     wrow = e.to(tl.int64) * (2 * N if SWIGLU else N) + cols
-    a_row = a + rows.to(tl.int64)[:, None] * K
+    a_row = a + src.to(tl.int64)[:, None] * K
     k_per = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
@@ -361,7 +364,7 @@ def _exact_gemm_kernel(a, a_gs, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bia
         if SWIGLU:
             acc_u = tl.dot(_exact_weight_tile(w, w_scales, wrow + N, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t,
                            acc_u)
-    a_g = tl.load(a_gs + rows, mask=rmask, other=0.0)
+    a_g = tl.load(a_gs + src, mask=rmask, other=0.0)
     triton_gemv._finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, pid, pid_k, M * N, ws, counters, out, w_gs,
                              stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, SWIGLU, False, HAS_BIAS)
 
@@ -383,7 +386,7 @@ def exact_small_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: in
 
 def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None,
                  schedule: torch.Tensor | None = None, swiglu: bool = False, config: dict | None = None,
-                 use_asm: bool = not triton_quant.INTERPRET) -> None:
+                 a_index: torch.Tensor | None = None, use_asm: bool = not triton_quant.INTERPRET) -> None:
     """`_exact_gemm_kernel`: exact fp16 rows a [M, K] (`triton_quant.quantize_per_token_exact(...,
     dtype=float16)`) against w [N, K] (dense; global_scale [] or [N]) or stacked experts w [E, N, K]
     with `schedule` ([3, Z] int32 from `triton_moe.schedule_rows`; global_scale [E] or [E, N]) into
@@ -391,6 +394,8 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
     second-level scale, no cache), or with config W_CODES decoded inside the GEMM (ModelOpt layout, or
     "mma_tiled" for dense weights with BLOCK_K % 128 == 0).
     swiglu: w has 2N rows (gate, then up; per expert) and out = silu(gate) * up (the MoE's w13).
+    a_index: int32/int64 [M] on a's device: out row m is computed from row a_index[m] of a (the MoE's tokens
+    quantized once each, read per (token, expert) pair: no gathered copy of the rows is written)
     config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override). use_asm: the decode's PTX
     table (GPU default) or portable arithmetic (same values; the interpreter)."""
     grouped = schedule is not None
@@ -411,7 +416,11 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
                              f"got BLOCK_K={cfg['BLOCK_K']}{', grouped' if grouped else ''}")
     if grouped and cfg["SPLIT_K"] != 1:
         raise ValueError("the grouped exact GEMM runs without split-K")
-    m = a.values.shape[0]
+    if a_index is not None and (a_index.shape != (out.shape[0],) or a_index.dtype not in (torch.int32, torch.int64)
+                                or a_index.device != out.device):
+        raise ValueError(f"a_index must be int32/int64 [{out.shape[0]}] on {out.device}, got {a_index.dtype} "
+                         f"{tuple(a_index.shape)} on {a_index.device}")
+    m = out.shape[0] if a_index is not None else a.values.shape[0]
     z = schedule.shape[1] if grouped else triton.cdiv(m, cfg["BLOCK_M"])
     if m == 0 or z == 0:
         return
@@ -422,8 +431,9 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
     weight = (w.codes, w.block_scales) if cfg["W_CODES"] else (dequantize_exact(w, torch.float16), None)
     gse, gsn = triton_gemv._gs_strides(w.global_scale, w.codes.dim())
     _exact_gemm_kernel[(tiles, cfg["SPLIT_K"])](
-        a.values, a.global_scale, *weight, w.global_scale, gse, gsn, bias, out, ws, cnt, schedule, z, m, n, k,
-        GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=bias is not None, USE_ASM=use_asm, **cfg)
+        a.values, a.global_scale, a_index, *weight, w.global_scale, gse, gsn, bias, out, ws, cnt, schedule, z, m, n,
+        k, GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=bias is not None, A_INDEX=a_index is not None, USE_ASM=use_asm,
+        **cfg)
 
 
 def packed_config(m: int, n: int, k: int, *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
@@ -488,21 +498,28 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
     return out
 
 
-def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+# `dequantize_exact`'s launch (H100, twenty-ninth session, 30B-A3B w13 to FP16, us: 16 x 512, 4 warps 381, portable
+# decode 447; 8 x 1024 370; 32 x 512, 8 warps 381; 64 x 256 407)
+DEQUANT = dict(BLOCK_R=8, BLOCK_K=1024, num_warps=4)
+
+
+def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, config: dict | None = None,
+                     use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """e2m1(q) * float(s) of w [..., K] as exact BF16 or FP16 [..., K] (second-level scale not applied:
-    every such product, 2^-10 .. 2688 with <= 6 significant bits, is exact in both)."""
+    every such product, 2^-10 .. 2688 with <= 6 significant bits, is exact in both). config: DEQUANT's
+    keys (a benchmark override); use_asm: the decode's PTX table or portable arithmetic (same values)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if w.layout == "mma_tiled":
         return cuda_mma.dequantize(w).to(dtype)
+    cfg = dict(DEQUANT, **(config or {}))
     k = w.shape[-1]
     codes = w.codes.reshape(-1, k // 2)
     out = torch.empty((codes.shape[0], k), dtype=dtype, device=codes.device)
-    block_k = min(512, triton.next_power_of_2(k))
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
     if codes.numel():
-        _dequant_exact_kernel[(triton.cdiv(codes.shape[0], 16), triton.cdiv(k, block_k))](
-            codes, w.block_scales.reshape(-1, k // 16), out, codes.shape[0], k, BLOCK_R=16, BLOCK_K=block_k,
-            num_warps=4)
+        _dequant_exact_kernel[(triton.cdiv(codes.shape[0], cfg["BLOCK_R"]), triton.cdiv(k, cfg["BLOCK_K"]))](
+            codes, w.block_scales.reshape(-1, k // 16), out, codes.shape[0], k, USE_ASM=use_asm, **cfg)
     return out.reshape(w.shape)
 
 

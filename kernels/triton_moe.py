@@ -8,8 +8,9 @@ each expert's rows, each active expert's weights read once per tile, in six laun
 (`schedule_rows`, two quantizers, two GEMMs, `combine`; torch's `order // k` beside them) (H200,
 Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64 tokens 204 us, 2.6x / 2.4x the BF16 grouped
 GEMM, before the 8-chunk slice). Larger batches ("exact"): the same steps with a Triton FP16 tensor-core
-GEMM over 64-row tiles, the codes decoded in it (up to EXACT_CODES_MAX_PAIRS) or the experts
-dequantized to exact FP16 (`triton_gemm.launch_exact`), the SwiGLU fused into w13's epilogue. The
+GEMM over 64- or 128-row tiles, each weight's codes decoded in it (up to its EXACT_CODES_MAX_PAIRS) or its
+experts dequantized to exact FP16 (`triton_gemm.launch_exact`), x quantized once per token and read per pair
+by the GEMM, the SwiGLU fused into w13's epilogue. The
 grouped packed GEMM below where neither fits
 (steps all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
@@ -152,9 +153,9 @@ def combine(y: torch.Tensor, pos: torch.Tensor, topk_weights: torch.Tensor, dtyp
     t, k = topk_weights.shape
     h = y.shape[1]
     out = torch.empty((t, h), dtype=dtype, device=y.device)
-    if t:
+    if t:     # 8 warps a 1024-column block (H100, twenty-ninth session, 8192 tokens: 195 us; 4 warps 291)
         _combine_kernel[(t, triton.cdiv(h, 1024))](y, pos, topk_weights.contiguous(), out, h, K_TOP=k, BLOCK_H=1024,
-                                                   WEIGHTED=weighted, num_warps=4)
+                                                   WEIGHTED=weighted, num_warps=8)
     return out
 
 
@@ -184,7 +185,7 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
         return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order,
                           nt=cuda_mma.GROUPED_NT_WIDE if p >= MMA_WIDE_PAIRS else cuda_mma.GROUPED_NT)
     if path == "exact":
-        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact", config=exact_config(p, e))
+        return _moe_tiled(x, w13, w2, topk_weights, topk_ids, op_order, gemm="exact", config=exact_config(p, w13, w2))
     if path == "pairs":
         return _moe_pairs(x, w13, w2, topk_weights, topk_ids, op_order)
     bm = moe_block_m(p, e)
@@ -216,23 +217,39 @@ PAIRED_MAX_PAIRS = switches.count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32, cuda_mma
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
-EXACT_CODES_MAX_PAIRS = 8192  # beyond MMA_MAX_PAIRS the default is "exact": the codes decoded in its GEMM up to
-                      # here, the experts dequantized to FP16 for the call above (H200, 2026-12-05, us codes / fp16
-                      # / grouped / BF16 grouped: 1024 tokens 778 / 1362 / 1277 / 728, 8192: 3752 / 3315 / 7470 / 2848)
+# Beyond MMA_MAX_PAIRS the default is "exact": each weight's codes decoded in its GEMM up to its bound here, its
+# experts dequantized to exact FP16 for the call above it. H100, twenty-ninth session, 30B-A3B layer, us of each
+# weight's GEMM alone, codes / fp16 with its dequantization, 128-row tiles: w13 1024 tokens 371 / 697, 8192 tokens
+# 1516 / 1217; w2 190 / 376, 837 / 758 (the crossings, ~3600 and ~6100 tokens, read between those two sizes;
+# both bounds at 4096 tokens of top-8, where the load-time warm-up runs both sides: 4096 and 4097 tokens).
+EXACT_CODES_MAX_PAIRS = {"w13": 4096 * 8, "w2": 4096 * 8}
+EXACT_TALL_ROWS = 64    # from this many rows an expert on average, the exact path's tiles hold 128 rows (H100,
+                       # twenty-ninth session, 1024 tokens (64 rows an expert), us w13 / w2 with codes: 64-row tiles,
+                       # 128-element K steps 403 / 215, 128-row 377 / 190)
+# Each weight's GEMM form over 128-row tiles (EXACT_GROUPED's keys; 64-row tiles take EXACT_GROUPED). H100,
+# twenty-ninth session, us at 1024 / 8192 tokens: w13 codes with 64-column tiles, 4 warps, 4 stages 371 / 1516
+# (EXACT_GROUPED 413 / 1699, 128-element K steps 377 / 1524 but spilling); w2 codes with 128-element K steps 190 /
+# 837 (EXACT_GROUPED 264 / 1100, H100 first probe); fp16: w13 with 4 stages 697 / 1217, w2 with 256-column tiles,
+# 4 stages, GROUP_M 16 376 / 758 (EXACT_GROUPED 409 / 893).
+EXACT_TALL_FORMS = {"w13": {"codes": dict(BLOCK_N=64, num_warps=4, num_stages=4), "fp16": dict(num_stages=4)},
+                    "w2": {"codes": dict(BLOCK_K=128), "fp16": dict(BLOCK_N=256, num_stages=4, GROUP_M=16)}}
 
 
-EXACT_TALL_ROWS = 256   # from this many rows an expert on average, the exact path's tiles hold 128 rows (H100,
-                       # twenty-first session, us, 64- / 128-row tiles, GROUP_M 4: 1024 tokens (64 rows an expert)
-                       # 801 / 891; 8192 (512 rows) 3165 / 2957, BF16 grouped 3193)
-
-
-def exact_config(pairs: int, experts: int) -> dict:
-    """The "exact" path's GEMM configuration for T * k = `pairs` over `experts`: the codes decoded in the GEMM up
-    to EXACT_CODES_MAX_PAIRS, the experts dequantized to FP16 for the call beyond; 128-row tiles from
-    EXACT_TALL_ROWS rows an expert on average; 4 row tiles per column sweep (GROUP_M: they share their weight
-    tile in L2; the same bits in any order; column-major, GROUP_M 0, 809 / 3747 us at 1024 / 8192 tokens)."""
-    return dict(triton_gemm.EXACT_GROUPED, W_CODES=pairs <= EXACT_CODES_MAX_PAIRS, GROUP_M=4,
-                BLOCK_M=128 if pairs >= EXACT_TALL_ROWS * experts else 64)
+def exact_config(pairs: int, w13: NVFP4Tensor, w2: NVFP4Tensor) -> dict[str, dict]:
+    """The "exact" path's GEMM configurations {"w13": ..., "w2": ...} for T * k = `pairs` over the experts of
+    w13 [E, 2I, H] and w2 [E, H, I]: each weight's codes decoded in the GEMM up to its EXACT_CODES_MAX_PAIRS, its
+    experts dequantized to FP16 for the call beyond; 128-row tiles (in each weight's EXACT_TALL_FORMS, where its
+    K is a multiple of the form's K step) from EXACT_TALL_ROWS rows an expert on average, else 64 (both weights:
+    one schedule); GROUP_M row tiles per column sweep (they share their weight tile in L2; the same bits in any
+    order; column-major, GROUP_M 0, 809 / 3747 us at 1024 / 8192 tokens, twenty-first session)."""
+    tall = pairs >= EXACT_TALL_ROWS * w13.shape[0]
+    out = {}
+    for name, w in (("w13", w13), ("w2", w2)):
+        codes = pairs <= EXACT_CODES_MAX_PAIRS[name]
+        cfg = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128 if tall else 64, W_CODES=codes)
+        form = dict(cfg, **EXACT_TALL_FORMS[name]["codes" if codes else "fp16"])
+        out[name] = form if tall and w.shape[2] % form["BLOCK_K"] == 0 else cfg
+    return out
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
@@ -274,9 +291,10 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     `cuda_mma.CLUSTER`, split-K through thread-block clusters, push: pushed to the owners (grouped launches pull
     by default), every bit the same) or "exact"
     (`triton_gemm.launch_exact` over tiles of config's BLOCK_M rows, SwiGLU in w13's epilogue (the same
-    operations, no fp32 [P, 2I]): larger batches; config: `exact_config`'s choice for the pair count (the
-    codes decoded inside the GEMM up to EXACT_CODES_MAX_PAIRS, the experts dequantized to exact FP16 for the
-    call beyond), EXACT_GROUPED if None).
+    operations, no fp32 [P, 2I]; x quantized once per token, each pair's GEMM row reading its token's row):
+    larger batches; config: `exact_config`'s choice for the pair count ({"w13": ..., "w2": ...}: the codes
+    decoded inside the GEMM up to EXACT_CODES_MAX_PAIRS, the experts dequantized to exact FP16 for the call
+    beyond; their BLOCK_M equal), or one configuration for both, EXACT_GROUPED if None).
     Deterministic: fixed split-K order, a stable sort."""
     if gemm == "mma" and not mma_fits(x, w13, w2):
         raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights with N % 16 == 0, K % 128 == 0 on a "
@@ -297,22 +315,25 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
                             cluster=cluster, push=push)
     else:
         config = config or triton_gemm.EXACT_GROUPED
-        tile_rows = config["BLOCK_M"]
-
-        def launch(a, w, out, schedule, swiglu=False):
-            triton_gemm.launch_exact(a, w, out, schedule=schedule, swiglu=swiglu, config=config)
+        configs = config if "w13" in config else {"w13": config, "w2": config}
+        tile_rows = configs["w13"]["BLOCK_M"]
+        if configs["w2"]["BLOCK_M"] != tile_rows:
+            raise ValueError(f"w13's and w2's tiles share one schedule: BLOCK_M {tile_rows} vs {configs['w2']['BLOCK_M']}")
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
-    a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
     if gemm == "mma":
+        a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
         h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
         launch(a, w13, h13, schedule)
         b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
+        y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
+        launch(b, w2, y, schedule)
     else:                                       # SwiGLU in the GEMM's epilogue: no fp32 [P, 2I] round trip
+        a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16)
         act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-        launch(a, w13, act, schedule, swiglu=True)
+        triton_gemm.launch_exact(a, w13, act, schedule=schedule, swiglu=True, config=configs["w13"], a_index=order // k)
         b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
-    y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    launch(b, w2, y, schedule)
+        y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
+        triton_gemm.launch_exact(b, w2, y, schedule=schedule, config=configs["w2"])
     return combine(y, pos, topk_weights, x.dtype)
 
 

@@ -317,6 +317,37 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
     assert torch.equal(captured, got)
 
 
+@pytest.mark.parametrize("tokens", [300, 3000])
+def test_exact_moe_defaults_match_reference_and_read_token_rows(mods, tokens):
+    """The "exact" path with `exact_config`'s forms for the pair count (300 tokens: codes decoded in both GEMMs,
+    64-row tiles; 3000: 128-row tiles, each weight in its form above its EXACT_CODES_MAX_PAIRS) against
+    `reference.moe`, deterministic; w13's GEMM reading each pair's token row through an index (x quantized once
+    a token) gives the bits of the rows quantized in pair order; the dequantization's PTX decode gives the
+    portable decode's bits."""
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe, triton_quant
+
+    experts, hidden, inter, top_k = 16, 256, 128, 4
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = reference.quantize_weight((torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * 0.1))
+    w2 = reference.quantize_weight((torch.randn(experts, hidden, inter, device="cuda", generator=g) * 0.1))
+    topk_w, topk_ids = torch.topk(torch.softmax(torch.randn(tokens, experts, device="cuda", generator=g), -1), top_k)
+    want = reference.moe(x, w13, w2, topk_w, topk_ids).float()
+    got = triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact")
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(triton_moe.moe(x, w13, w2, topk_w, topk_ids, path="exact"), got)
+    cfg = triton_moe.exact_config(tokens * top_k, w13, w2)["w13"]
+    order, _, schedule = triton_moe.schedule_rows(topk_ids, experts, cfg["BLOCK_M"])
+    gathered = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, rows=order // top_k)
+    once = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
+    outs = [torch.full((tokens * top_k, inter), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    triton_gemm.launch_exact(gathered, w13, outs[0], schedule=schedule, swiglu=True, config=cfg)
+    triton_gemm.launch_exact(once, w13, outs[1], schedule=schedule, swiglu=True, config=cfg, a_index=order // top_k)
+    assert torch.equal(outs[0], outs[1])
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(triton_gemm.dequantize_exact(w13, dtype), triton_gemm.dequantize_exact(w13, dtype, use_asm=False))
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (64, 8, 128), (256, 8, 128), (33, 4, 60), (600, 8, 256)])
 def test_moe_glue_kernels_match_their_torch_forms(mods, tokens, top_k, experts):
     """The tensor-core MoE's one-launch pieces on the GPU: `schedule_rows` equals `moe_schedule` (sorted

@@ -359,11 +359,15 @@ def check_moe_exact(op_order: str) -> None:
     got16 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=small)
     assert ((got16.float() - grouped).norm() / grouped.norm()).item() < 1e-2
     tall_pairs = triton_moe.EXACT_TALL_ROWS * experts                  # the default's 128-row tiles, GROUP_M 4
-    assert triton_moe.exact_config(tall_pairs - 1, experts)["BLOCK_M"] == 64
-    tall = triton_moe.exact_config(tall_pairs, experts)
-    assert (tall["BLOCK_M"], tall["GROUP_M"]) == (128, 4)
+    assert {c["BLOCK_M"] for c in triton_moe.exact_config(tall_pairs - 1, w13, w2).values()} == {64}
+    tall = triton_moe.exact_config(tall_pairs, w13, w2)
+    assert {(c["BLOCK_M"], c["GROUP_M"]) for c in tall.values()} == {(128, 4)}
     got128 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=tall)
     assert ((got128.float() - grouped).norm() / grouped.norm()).item() < 1e-2
+    once = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, op_order=op_order)   # x quantized once a
+    indexed = torch.full_like(act, float("nan"))                                          # token, each pair's row
+    triton_gemm.launch_exact(once, w13, indexed, schedule=schedule, swiglu=True, a_index=order // top_k)  # read
+    assert torch.equal(indexed, act)                                   # through an index: the gathered rows' bits
 
 
 def check_moe_schedule_and_combine() -> None:

@@ -95,16 +95,27 @@ def test_quantizers_issue_few_instructions_per_element(kind):
 
 
 @pytest.mark.parametrize("w_codes", [False, True], ids=["fp16-weights", "codes"])
-@pytest.mark.parametrize("grouped,swiglu", [(True, True), (True, False), (False, False)],
-                         ids=["moe-w13", "moe-w2", "dense"])
-def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swiglu, w_codes):
-    from nvfp4_sampler.kernels import triton_gemm
-    cfg = dict(triton_gemm.EXACT_GROUPED if grouped else triton_gemm.EXACT_DENSE, W_CODES=w_codes)
+@pytest.mark.parametrize("grouped,swiglu,tall", [(True, True, False), (True, True, True), (True, False, False),
+                                                 (True, False, True), (False, False, False)],
+                         ids=["moe-w13", "moe-w13-tall", "moe-w2", "moe-w2-tall", "dense"])
+def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swiglu, tall, w_codes):
+    """The exact GEMM in the forms `triton_moe.exact_config` gives each MoE weight (64-row tiles; 128-row tiles in
+    EXACT_TALL_FORMS) and the dense default: wgmma, pipelined loads, no spills."""
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe
+    if grouped:
+        cfg = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, W_CODES=w_codes)
+        if tall:
+            cfg.update(BLOCK_M=128, **triton_moe.EXACT_TALL_FORMS["w13" if swiglu else "w2"]["codes" if w_codes else "fp16"])
+    else:
+        cfg = dict(triton_gemm.EXACT_DENSE, W_CODES=w_codes)
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
-    consts.update(GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=not grouped, USE_ASM=True)
+    consts.update(GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=not grouped, USE_ASM=True,
+                  A_INDEX=swiglu)            # the MoE's w13 reads each pair's token row through an index
     if not w_codes:
         consts["w_scales"] = None
-    sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*u8" if w_codes else "*fp16", "w_scales": "*fp8e4nv",
+    if not swiglu:
+        consts["a_index"] = None
+    sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8" if w_codes else "*fp16", "w_scales": "*fp8e4nv",
            "w_gs": "*fp32", "stride_gs_e": "i32", "stride_gs_n": "i32", "bias": "*bf16",
            "out": "*fp32" if grouped and not swiglu else "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
            **{k: "constexpr" for k in consts}}
@@ -123,8 +134,8 @@ def test_exact_gemm_on_tiled_codes_uses_wgmma_without_spills(m):
     from nvfp4_sampler.kernels import triton_gemm
     cfg = dict(triton_gemm.exact_small_config(m, 4096, 4096), W_CODES=2)
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
-    consts.update(GROUPED=False, SWIGLU=False, HAS_BIAS=True, USE_ASM=True)
-    sig = {"a": "*fp16", "a_gs": "*fp32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32",
+    consts.update(GROUPED=False, SWIGLU=False, HAS_BIAS=True, USE_ASM=True, A_INDEX=False)
+    sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32",
            "stride_gs_n": "i32", "bias": "*bf16", "out": "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32",
            "Z": "i32", "M": "i32", "N": "i32", "K": "i32", **{k: "constexpr" for k in consts}}
     ptx, log = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
@@ -151,7 +162,7 @@ def test_combine_kernel_compiles_without_spills(weighted):
     sig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
            "K_TOP": "constexpr", "BLOCK_H": "constexpr", "WEIGHTED": "constexpr"}
     _, log = _compile(triton_moe._combine_kernel, sig, dict(K_TOP=8, BLOCK_H=1024, WEIGHTED=weighted),
-                      ("y_ptr", "pos_ptr", "w_ptr", "out_ptr", "H"), num_warps=4)
+                      ("y_ptr", "pos_ptr", "w_ptr", "out_ptr", "H"), num_warps=8)
     assert "0 bytes spill stores" in log, log
 
 
