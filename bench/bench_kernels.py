@@ -443,8 +443,7 @@ def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
     y = torch.empty((order.numel(), w2.shape[1]), dtype=torch.float32, device=x.device)
     out = {}
     for form in ("codes", "fp16"):
-        c13, c2 = (dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128, W_CODES=form == "codes",
-                        **triton_moe.EXACT_TALL_FORMS[w][form]) for w in ("w13", "w2"))
+        c13, c2 = (triton_moe.exact_tall_config(w, form == "codes") for w in ("w13", "w2"))
         out[f"w13 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(a, w13, act, schedule=sched, swiglu=True,
                                                                        config=c13, a_index=order // k))
         out[f"w2 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(b, w2, y, schedule=sched, config=c2))

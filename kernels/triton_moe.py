@@ -246,10 +246,17 @@ def exact_config(pairs: int, w13: NVFP4Tensor, w2: NVFP4Tensor) -> dict[str, dic
     out = {}
     for name, w in (("w13", w13), ("w2", w2)):
         codes = pairs <= EXACT_CODES_MAX_PAIRS[name]
-        cfg = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128 if tall else 64, W_CODES=codes)
-        form = dict(cfg, **EXACT_TALL_FORMS[name]["codes" if codes else "fp16"])
-        out[name] = form if tall and w.shape[2] % form["BLOCK_K"] == 0 else cfg
+        form = exact_tall_config(name, codes)
+        out[name] = (form if tall and w.shape[2] % form["BLOCK_K"] == 0
+                     else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128 if tall else 64, W_CODES=codes))
     return out
+
+
+def exact_tall_config(weight: str, codes: bool) -> dict:
+    """The exact GEMM's configuration for `weight` ("w13" or "w2") over 128-row tiles: its EXACT_TALL_FORMS form
+    with the codes decoded in the GEMM (codes) or its experts dequantized to FP16."""
+    base = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128, W_CODES=codes)
+    return dict(base, **EXACT_TALL_FORMS[weight]["codes" if codes else "fp16"])
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:

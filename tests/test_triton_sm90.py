@@ -103,9 +103,8 @@ def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swigl
     EXACT_TALL_FORMS) and the dense default: wgmma, pipelined loads, no spills."""
     from nvfp4_sampler.kernels import triton_gemm, triton_moe
     if grouped:
-        cfg = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, W_CODES=w_codes)
-        if tall:
-            cfg.update(BLOCK_M=128, **triton_moe.EXACT_TALL_FORMS["w13" if swiglu else "w2"]["codes" if w_codes else "fp16"])
+        cfg = (triton_moe.exact_tall_config("w13" if swiglu else "w2", w_codes) if tall
+               else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, W_CODES=w_codes))
     else:
         cfg = dict(triton_gemm.EXACT_DENSE, W_CODES=w_codes)
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
