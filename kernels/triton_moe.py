@@ -219,9 +219,10 @@ MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
 # Beyond MMA_MAX_PAIRS the default is "exact": each weight's codes decoded in its GEMM up to its bound here, its
 # experts dequantized to exact FP16 for the call above it. H100, twenty-ninth session, 30B-A3B layer, us of each
-# weight's GEMM alone, codes / fp16 with its dequantization, 128-row tiles: w13 1024 tokens 371 / 697, 8192 tokens
-# 1516 / 1217; w2 190 / 376, 837 / 758 (the crossings, ~3600 and ~6100 tokens, read between those two sizes;
-# both bounds at 4096 tokens of top-8, where the load-time warm-up runs both sides: 4096 and 4097 tokens).
+# weight's GEMM alone, codes / fp16 with its dequantization, 128-row tiles, at 1024 / 2048 / 4096 / 6144 / 8192
+# tokens: w13 370 / 540 / 885 / 1208 / 1527 against 666 / 705 / 841 / 986 / 1160; w2 187 / 271 / 458 / 623 / 800
+# against 358 / 398 / 513 / 627 / 752. Both bounds at 4096 tokens of top-8 (w13 crosses between 3072 and 4096, w2
+# at ~6144), where the load-time warm-up runs both sides (4096 and 4097 tokens).
 EXACT_CODES_MAX_PAIRS = {"w13": 4096 * 8, "w2": 4096 * 8}
 EXACT_TALL_ROWS = 64    # from this many rows an expert on average, the exact path's tiles hold 128 rows (H100,
                        # twenty-ninth session, 1024 tokens (64 rows an expert), us w13 / w2 with codes: 64-row tiles,
