@@ -74,9 +74,8 @@ PAIRS_SWEEP = [dict(block_n=bn, block_b=bb, num_warps=w, min_programs=mp)   # th
     dict(w2=dict(min_programs=mp)) for mp in (1, 528)]   # w2's split-K alone (at 1 token 256 tiles: 264 splits it in 2)
 EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, SPLIT_K=1, W_CODES=True, num_warps=4,
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
-EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g, BLOCK_M=bm, BLOCK_N=bn)   # the exact MoE GEMM at >= 1024 tokens: row
-                         for g, bm, bn in ((0, 64, 128), (4, 64, 128), (8, 64, 128), (16, 64, 128),   # tiles a
-                                           (4, 128, 128), (8, 128, 128), (8, 64, 256))]   # column sweep, tiles
+EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g) for g in (0, 1, 4, 8, 16)]   # the exact MoE at >= 1024 tokens: row tiles a
+                                                                     # column sweep, on each weight's default form
 EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
                for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
                                         (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
@@ -506,10 +505,10 @@ def bench_moe(log, quick: bool) -> None:
         if t >= 128:                              # token tiles of 8 per expert tile: rows per expert grow with t
             row["mma_nt_ms"] = {nt: graph_ms(lambda nt=nt: [triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", nt=nt)
                                                             for tw, ti in routes]) / n_routes for nt in MMA_NT_SWEEP_MOE}
-        if t >= 1024:   # the exact path's tile order and tiles, both weights (every order: the same bits): column
-            default = triton_moe.exact_config(t * k, w13, w2)   # tile major re-reads the activations per column tile;
+        if t >= 1024:   # the exact path's tile order, both weights (every order: the same bits): column tile
+            default = triton_moe.exact_config(t * k, w13, w2)   # major re-reads the activations per column tile;
             row["exact_order_ms"] = {                           # GROUP_M row tiles of one expert share its weights in L2
-                "G{GROUP_M} {BLOCK_M}x{BLOCK_N}".format(**c): tried_ms(lambda c=c: [triton_moe._moe_tiled(
+                "G{GROUP_M}".format(**c): tried_ms(lambda c=c: [triton_moe._moe_tiled(
                     x, w13, w2, tw, ti, "vllm", gemm="exact", config={w: dict(d, **c) for w, d in default.items()})
                     for tw, ti in routes]) / n_routes
                 for c in EXACT_MOE_ORDER_SWEEP}
@@ -692,8 +691,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                        ("mma_cps_ms", "mma by split-K slice (chunks)"),
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile"),
-                       ("exact_order_ms", "exact (the default's weights), by row tiles per column sweep (G, 0: all) "
-                                          "and tile"),
+                       ("exact_order_ms", "exact (the default's forms), by row tiles per column sweep (G, 0: all)"),
                        ("exact_forms_ms", "exact, each weight's GEMM alone over 128-row tiles, codes or FP16 experts")):
         for r in by("moe"):
             if key in r:
