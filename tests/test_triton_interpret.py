@@ -364,6 +364,10 @@ def check_moe_exact(op_order: str) -> None:
     assert {(c["BLOCK_M"], c["GROUP_M"]) for c in tall.values()} == {(128, 4)}
     got128 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=tall)
     assert ((got128.float() - grouped).norm() / grouped.norm()).item() < 1e-2
+    beyond = triton_moe.exact_config(max(triton_moe.EXACT_CODES_MAX_PAIRS.values()) + 1, w13, w2)   # FP16 experts
+    assert beyond == {w: triton_moe.exact_tall_config(w, False) for w in ("w13", "w2")}           # in each weight's
+    got_fp16 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=beyond)  # form
+    assert ((got_fp16.float() - grouped).norm() / grouped.norm()).item() < 1e-2
     once = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, op_order=op_order)   # x quantized once a
     indexed = torch.full_like(act, float("nan"))                                          # token, each pair's row
     triton_gemm.launch_exact(once, w13, indexed, schedule=schedule, swiglu=True, a_index=order // top_k)  # read
