@@ -434,8 +434,8 @@ def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
 def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
     """Each weight's exact GEMM alone over 128-row tiles in its two `triton_moe.EXACT_TALL_FORMS` (codes decoded in
     the GEMM; FP16 experts, the dequantization included): where `EXACT_CODES_MAX_PAIRS` puts each weight's bound."""
-    k = ti.shape[1]
     order, _, sched = triton_moe.schedule_rows(ti, w13.shape[0], 128)
+    index = order // ti.shape[1]                             # each pair's token row: made once, not timed
     a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
     act = torch.randn((order.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
     b = triton_quant.quantize_per_token_exact(act, dtype=torch.float16)
@@ -444,7 +444,7 @@ def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
     for form in ("codes", "fp16"):
         c13, c2 = (triton_moe.exact_tall_config(w, form == "codes") for w in ("w13", "w2"))
         out[f"w13 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(a, w13, act, schedule=sched, swiglu=True,
-                                                                       config=c13, a_index=order // k))
+                                                                       config=c13, a_index=index))
         out[f"w2 {form}"] = tried_ms(lambda: triton_gemm.launch_exact(b, w2, y, schedule=sched, config=c2))
     return out
 

@@ -314,7 +314,8 @@ def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
-    a: exact fp16 rows [M, K], or (A_INDEX) output row m reads row a_index[m] of a (and of a_gs). w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
+    a: exact fp16 rows [M, K], or (A_INDEX) output row m reads row a_index[m] of a (and of a_gs).
+    w: the unscaled weights [E, W_ROWS, K] (E = 1 dense) as exact fp16 values,
     or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
     2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
     rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
@@ -503,16 +504,16 @@ def launch_w4a4(a: NVFP4Tensor, w: NVFP4Tensor, out: torch.Tensor, *, a_index: t
 DEQUANT = dict(BLOCK_R=8, BLOCK_K=1024, num_warps=4)
 
 
-def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, config: dict | None = None,
+def dequantize_exact(w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *,
                      use_asm: bool = not triton_quant.INTERPRET) -> torch.Tensor:
     """e2m1(q) * float(s) of w [..., K] as exact BF16 or FP16 [..., K] (second-level scale not applied:
-    every such product, 2^-10 .. 2688 with <= 6 significant bits, is exact in both). config: DEQUANT's
-    keys (a benchmark override); use_asm: the decode's PTX table or portable arithmetic (same values)."""
+    every such product, 2^-10 .. 2688 with <= 6 significant bits, is exact in both). use_asm: the
+    decode's PTX table or portable arithmetic (same values)."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
     if w.layout == "mma_tiled":
         return cuda_mma.dequantize(w).to(dtype)
-    cfg = dict(DEQUANT, **(config or {}))
+    cfg = dict(DEQUANT)
     k = w.shape[-1]
     codes = w.codes.reshape(-1, k // 2)
     out = torch.empty((codes.shape[0], k), dtype=dtype, device=codes.device)

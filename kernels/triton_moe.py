@@ -328,19 +328,18 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
         if configs["w2"]["BLOCK_M"] != tile_rows:
             raise ValueError(f"w13's and w2's tiles share one schedule: BLOCK_M {tile_rows} vs {configs['w2']['BLOCK_M']}")
     order, pos, schedule = schedule_rows(topk_ids, e, tile_rows)
+    y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
     if gemm == "mma":
         a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16, rows=order // k)
         h13 = torch.empty((t * k, 2 * inter), dtype=torch.float32, device=x.device)
         launch(a, w13, h13, schedule)
         b = triton_quant.quantize_per_token_exact(h13, op_order=op_order, dtype=torch.float16, swiglu=x.dtype)
-        y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
         launch(b, w2, y, schedule)
     else:                                       # SwiGLU in the GEMM's epilogue: no fp32 [P, 2I] round trip
         a = triton_quant.quantize_per_token_exact(x, op_order=op_order, dtype=torch.float16)
         act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
         triton_gemm.launch_exact(a, w13, act, schedule=schedule, swiglu=True, config=configs["w13"], a_index=order // k)
         b = triton_quant.quantize_per_token_exact(act, op_order=op_order, dtype=torch.float16)
-        y = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
         triton_gemm.launch_exact(b, w2, y, schedule=schedule, config=configs["w2"])
     return combine(y, pos, topk_weights, x.dtype)
 
