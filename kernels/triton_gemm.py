@@ -117,6 +117,53 @@ def _decode(packed, scales, USE_ASM: tl.constexpr):
     return lo, hi
 
 
+# The exact GEMM's weight decode (ModelOpt codes): each code byte becomes one FP16x2 register, its (low, high)
+# nibbles in element order as the MMA's register operand holds them, e2m1 * s * 2^-14 (exact: multiples of 2^-24
+# below 0.17), and the epilogue multiplies the FP32 sum by 2^14 (exact: every product and partial sum scaled by
+# the same power of two gives the same bits, as `cuda_mma`'s weights). With q the code word rotated right by 4,
+# one `prmt` gathers for byte b_j: b_j (low magnitude at bits 0-2), the sign of its low nibble (the top bit of
+# q's byte j - 1, replicated over byte 1), q's byte j (high magnitude at bits 16-18) and the sign of b_j's high
+# nibble (replicated over byte 3); a shift puts the magnitudes at FP16 bits 9-11 and 25-27 and two masks keep
+# them and the signs at 15 and 31. Then one packed multiply by the block scale (s, s): 4 integer-pipe
+# instructions a register (the two-table decode's outputs needed 2 `prmt` more a register to pair up).
+def _pairs_decode_ptx() -> str:
+    """PTX for `tl.inline_asm_elementwise(..., "=r,=r,=r,=r,r,r,r,r,r", pack=4)`: 4 code bytes in $4, the
+    duplicated FP16 bits of their block scales in $5-$8 -> the FP16x2 pairs of bytes 0-3 in $0-$3."""
+    def sel(j: int) -> int:
+        return j | (8 | 4 + (j + 3) % 4) << 4 | (4 + j) << 8 | (8 | j) << 12
+    body = "".join(f"prmt.b32 y, $4, q, {sel(j):#x};\nshl.b32 m, y, 9;\nand.b32 m, m, 0x0E000E00;\n"
+                   f"and.b32 y, y, 0x80008000;\nor.b32 m, m, y;\nmul.rn.f16x2 ${j}, m, ${5 + j};\n" for j in range(4))
+    return "{\n.reg .b32 q, y, m;\nshf.r.wrap.b32 q, $4, $4, 4;\n" + body + "}"
+
+
+_DECODE_PAIRS = tl.constexpr(_pairs_decode_ptx())
+# FP16 scales, two a register -> each one's bits in both halves of a register
+_DUP_HALVES = tl.constexpr("prmt.b32 $0, $2, 0, 0x1010;\nprmt.b32 $1, $2, 0, 0x3232;")
+
+
+@triton.jit
+def _decode_pairs(packed, scales, USE_ASM: tl.constexpr):
+    """Packed codes uint8 [R, KH] and their e4m3 scales [R, KH/8] -> fp16 [R, 2 KH] in element order,
+    e2m1 * s * 2^-14 (exact; see `_pairs_decode_ptx`). USE_ASM: the PTX, else portable integer and
+    fp16 arithmetic (same values)."""
+    R: tl.constexpr = packed.shape[0]
+    KH: tl.constexpr = packed.shape[1]
+    s = scales.to(tl.float16)
+    if USE_ASM:
+        dup = tl.inline_asm_elementwise(_DUP_HALVES, "=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=2)
+        dup = tl.reshape(tl.broadcast_to(dup[:, :, None], (R, KH // 8, 8)), (R, KH))
+        pairs = tl.inline_asm_elementwise(_DECODE_PAIRS, "=r,=r,=r,=r,r,r,r,r,r", [packed, dup], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+        lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        b = packed.to(tl.int32)
+        sb = tl.reshape(tl.broadcast_to(s[:, :, None], (R, KH // 8, 8)), (R, KH))
+        lo = ((((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)) * sb
+        hi = (((((b >> 4) & 7) << 9) | (((b >> 4) & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)) * sb
+    return tl.reshape(tl.join(lo, hi), (R, 2 * KH))
+
+
 @triton.jit
 def _load_packed(codes, scales, rows64, rmask, k0, k_end, KH: tl.constexpr, KB: tl.constexpr, K):
     """Packed bytes [R, KH] and e4m3 scales [R, KB] of rows (row length K) at element offset k0,
@@ -267,8 +314,7 @@ def _exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES: tl.constexpr, U
                     other=0)
         s = tl.load(w_scales + wrow[:, None] * tl.multiple_of(K // 16, 4) + (k0 // 16 + tl.arange(0, BLOCK_K // 16))[None, :],
                     mask=cmask[:, None], other=0.0)           # a row's scales: whole 4-byte words (one cp.async)
-        lo, hi = _decode(c, s, USE_ASM)
-        tile = tl.reshape(tl.join(lo, hi), (wrow.shape[0], BLOCK_K))
+        tile = _decode_pairs(c, s, USE_ASM)                     # times 2^-14: the epilogue's 2^14
     else:
         tile = tl.load(w + wrow[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=cmask[:, None], other=0.0)
     return tile
@@ -365,6 +411,9 @@ def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_
         if SWIGLU:
             acc_u = tl.dot(_exact_weight_tile(w, w_scales, wrow + N, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t,
                            acc_u)
+    if W_CODES == 1:                                   # `_decode_pairs`' weights are the values * 2^-14
+        acc = acc * 16384.0
+        acc_u = acc_u * 16384.0
     a_g = tl.load(a_gs + src, mask=rmask, other=0.0)
     triton_gemv._finish_tile(acc, acc_u, a_g, rows, rmask, cols, cmask, e, pid, pid_k, M * N, ws, counters, out, w_gs,
                              stride_gs_e, stride_gs_n, None, bias, N, SPLIT_K, SWIGLU, False, HAS_BIAS)

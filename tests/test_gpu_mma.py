@@ -346,6 +346,15 @@ def test_exact_moe_defaults_match_reference_and_read_token_rows(mods, tokens):
     assert torch.equal(outs[0], outs[1])
     for dtype in (torch.float16, torch.bfloat16):
         assert torch.equal(triton_gemm.dequantize_exact(w13, dtype), triton_gemm.dequantize_exact(w13, dtype, use_asm=False))
+    h = triton_quant.quantize_per_token_exact(outs[0], dtype=torch.float16)
+    for w, a, swiglu, n in ((w13, once, True, inter), (w2, h, False, hidden)):   # the codes decoded to value * 2^-14
+        both = []                                                      # (the sum times 2^14): the FP16 copy's bits
+        for w_codes in (True, False):                                  # at equal tiles
+            both.append(torch.full((tokens * top_k, n), float("nan"), device="cuda",
+                                   dtype=torch.bfloat16 if swiglu else torch.float32))
+            triton_gemm.launch_exact(a, w, both[-1], schedule=schedule, swiglu=swiglu, config=dict(cfg, W_CODES=w_codes),
+                                     a_index=order // top_k if swiglu else None)
+        assert torch.equal(both[0], both[1]), f"{'w13' if swiglu else 'w2'}: codes and FP16 copy differ"
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (64, 8, 128), (256, 8, 128), (33, 4, 60), (600, 8, 256)])
