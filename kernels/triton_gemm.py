@@ -295,10 +295,10 @@ def scale_epilogue(acc: torch.Tensor, a_gs: torch.Tensor, w_gs: torch.Tensor, bi
     return out
 
 
-EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, W_CODES=False, num_warps=8,
-                   num_stages=3)
-EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, SPLIT_K=1, W_CODES=False, num_warps=8,
-                     num_stages=3)
+EXACT_DENSE = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, W_CODES=False, INTERLEAVE=False,
+                   num_warps=8, num_stages=3)
+EXACT_GROUPED = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, SPLIT_K=1, W_CODES=False, INTERLEAVE=False,
+                     num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -357,7 +357,7 @@ def _tiled_weight_tile(w, w_scales, wrow, cmask, k0, K, BLOCK_K: tl.constexpr):
 def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_gs_n, bias, out, ws, counters, sched,
                        Z, M, N, K, GROUPED: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, A_INDEX: tl.constexpr,
                        W_CODES: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, INTERLEAVE: tl.constexpr):
     """out [M, N] = ((a @ w[e].T) * a_gs[m]) * w_gs[e, n] (+ bias[n]), one rounding to out's dtype.
 
     a: exact fp16 rows [M, K], or (A_INDEX) output row m reads row a_index[m] of a (and of a_gs).
@@ -365,7 +365,10 @@ def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_
     or (W_CODES) as packed codes uint8 [E, W_ROWS, K/2] with e4m3 w_scales [E, W_ROWS, K/16] (1: ModelOpt;
     2: a dense "mma_tiled" weight), decoded in registers each K step. W_ROWS = N, or 2N with SWIGLU (gate
     rows, then up rows: the program also accumulates the up rows of its columns and stores silu(gate) * up,
-    `triton_quant.swiglu`). The products are exact, accumulated in fp32 on the tensor cores as w @ a.T (the
+    `triton_quant.swiglu`; INTERLEAVE: its gate and up rows in one weight tile of 2 BLOCK_N rows, each 16 of them
+    8 gate rows and their 8 up rows, one accumulator: the MMA holds rows r and r + 8 in one thread, so the split
+    moves nothing, and a K step decodes the same weight bytes for half the accumulator registers, which leaves
+    room for 256-row tiles). The products are exact, accumulated in fp32 on the tensor cores as w @ a.T (the
     weight tile is the MMA's first operand). Grid (output tiles, SPLIT_K): the Z row tiles GROUP_M at a time
     per column sweep (L2 reuse of both operands; 0: column tile major, all Z per column tile); the order
     changes no bit. Dense (GROUPED False): Z = cdiv(M, BLOCK_M) row tiles; SPLIT_K K-slices, their fp32
@@ -399,18 +402,31 @@ def _exact_gemm_kernel(a, a_gs, a_index, w, w_scales, w_gs, stride_gs_e, stride_
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     wrow = e.to(tl.int64) * (2 * N if SWIGLU else N) + cols
+    if INTERLEAVE:                                     # tile row t: column 8 (t // 16) + t % 8, gate or up (t % 16 >= 8)
+        t = tl.arange(0, 2 * BLOCK_N)
+        tcol = pid_n * BLOCK_N + (t // 16) * 8 + t % 8
+        tmask = tcol < N
+        trow = e.to(tl.int64) * 2 * N + tcol + tl.where(t % 16 >= 8, N, 0)
+    else:
+        tmask = cmask
+        trow = wrow
     a_row = a + src.to(tl.int64)[:, None] * K
     k_per = tl.cdiv(K // BLOCK_K, SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    TILE_ROWS: tl.constexpr = 2 * BLOCK_N if INTERLEAVE else BLOCK_N
+    acc = tl.zeros((TILE_ROWS, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):              # K % BLOCK_K == 0: no mask along K
         a_t = tl.trans(tl.load(a_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=rmask[:, None], other=0.0))
-        acc = tl.dot(_exact_weight_tile(w, w_scales, wrow, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t, acc)
-        if SWIGLU:
+        acc = tl.dot(_exact_weight_tile(w, w_scales, trow, tmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t, acc)
+        if SWIGLU and not INTERLEAVE:
             acc_u = tl.dot(_exact_weight_tile(w, w_scales, wrow + N, cmask, k0, K, W_CODES, USE_ASM, BLOCK_K), a_t,
                            acc_u)
+    if INTERLEAVE:
+        acc, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 8, 2, 8, BLOCK_M)), (0, 2, 3, 1)))
+        acc = tl.reshape(acc, (BLOCK_N, BLOCK_M))
+        acc_u = tl.reshape(acc_u, (BLOCK_N, BLOCK_M))
     if W_CODES == 1:                                   # `_decode_pairs`' weights are the values * 2^-14
         acc = acc * 16384.0
         acc_u = acc_u * 16384.0
@@ -464,6 +480,9 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
         if cfg["W_CODES"] == 2 and (grouped or cfg["BLOCK_K"] % 128):
             raise ValueError(f"the exact GEMM decodes mma_tiled codes of dense weights in whole 128-element chunks, "
                              f"got BLOCK_K={cfg['BLOCK_K']}{', grouped' if grouped else ''}")
+    cfg["INTERLEAVE"] = bool(cfg.get("INTERLEAVE")) and swiglu         # a SwiGLU launch's tile form only
+    if cfg["INTERLEAVE"] and cfg["BLOCK_N"] % 8:
+        raise ValueError(f"interleaved gate and up rows go 8 by 8, got BLOCK_N={cfg['BLOCK_N']}")
     if grouped and cfg["SPLIT_K"] != 1:
         raise ValueError("the grouped exact GEMM runs without split-K")
     if a_index is not None and (a_index.shape != (out.shape[0],) or a_index.dtype not in (torch.int32, torch.int64)

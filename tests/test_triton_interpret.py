@@ -346,6 +346,11 @@ def check_moe_exact(op_order: str) -> None:
     apart = triton_quant.quantize_per_token_exact(h13, dtype=torch.float16, swiglu=torch.bfloat16,  # makes of
                                                   op_order=op_order)                                # h13
     assert torch.equal(fused.values, apart.values) and torch.equal(fused.global_scale, apart.global_scale)
+    for block_n, w_codes in ((32, False), (64, True)):               # gate and up rows interleaved 8 by 8 in one
+        mixed = torch.full_like(act, float("nan"))                    # tile, one accumulator: the same bits
+        triton_gemm.launch_exact(a, w13, mixed, schedule=schedule, swiglu=True, config=dict(
+            triton_gemm.EXACT_GROUPED, BLOCK_N=block_n, W_CODES=w_codes, INTERLEAVE=True))
+        assert torch.equal(mixed, act), f"interleaved gate and up rows (BLOCK_N {block_n}) change the bits"
     decoded = torch.full_like(h13, float("nan"))                       # the codes decoded inside the kernel:
     triton_gemm.launch_exact(a, w13, decoded, schedule=schedule, config=dict(triton_gemm.EXACT_GROUPED, W_CODES=True))
     assert torch.equal(decoded, h13), "codes decoded in the GEMM differ from the FP16 copy's bits"   # equal tiles

@@ -107,7 +107,7 @@ def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swigl
                else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, W_CODES=w_codes))
     else:
         cfg = dict(triton_gemm.EXACT_DENSE, W_CODES=w_codes)
-    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
     consts.update(GROUPED=grouped, SWIGLU=swiglu, HAS_BIAS=not grouped, USE_ASM=True,
                   A_INDEX=swiglu)            # the MoE's w13 reads each pair's token row through an index
     if not w_codes:
@@ -132,7 +132,7 @@ def test_exact_gemm_on_tiled_codes_uses_wgmma_without_spills(m):
     engines would launch it at M = 16-64: wgmma, no spills (8 warps for the 64-token tile)."""
     from nvfp4_sampler.kernels import triton_gemm
     cfg = dict(triton_gemm.exact_small_config(m, 4096, 4096), W_CODES=2)
-    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K")}
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
     consts.update(GROUPED=False, SWIGLU=False, HAS_BIAS=True, USE_ASM=True, A_INDEX=False)
     sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32", "stride_gs_e": "i32",
            "stride_gs_n": "i32", "bias": "*bf16", "out": "*bf16", "ws": "*fp32", "counters": "*i32", "sched": "*i32",
