@@ -72,21 +72,16 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return order, e.to(torch.int32), tile_start, tile_end
 
 
-SCHEDULE_MAX_PAIRS = 4096   # `schedule_rows` sorts the pairs in one program (registers); beyond, `moe_schedule`
+SCHEDULE_MAX_PAIRS = 4096   # `schedule_rows` sorts the pairs in one program (registers); beyond, in chunks
+SCHEDULE_CHUNK = 1024       # pairs a program sorts beyond SCHEDULE_MAX_PAIRS, in up to SCHEDULE_MAX_CHUNKS chunks
+SCHEDULE_MAX_CHUNKS = 256   # (whose counts one program adds up, as 64 rows up to 64 chunks: two compilations, the
+                            # first reached by the load-time warm-up at 8192 tokens); beyond, `moe_schedule`'s torch ops
 
 
-@triton.jit(do_not_specialize=['P', 'Z'])   # counts of tokens: one compilation for all
-def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
-                     P_PAD: tl.constexpr, E_PAD: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One program: `moe_schedule`'s stable sort by expert (keys expert * P_PAD + pair), the per-expert
-    row ranges and tiles, and the inverse permutation, in one launch instead of ~30 torch ops."""
-    i = tl.arange(0, P_PAD)
-    valid = i < P
-    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    order = tl.sort(tl.where(valid, ids * P_PAD + i, E_PAD * P_PAD + i)) % P_PAD   # padding sorts last
-    tl.store(order_ptr + i, order, mask=valid)
-    tl.store(pos_ptr + order, i, mask=valid)
-    counts = tl.histogram(ids, E_PAD, mask=valid)
+@triton.jit
+def _store_tiles(counts, sched_ptr, Z, E, E_PAD: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The schedule [3, Z] (expert, first row, end row of each BLOCK_M-row tile; rows sorted by expert) from the
+    rows of each expert, counts int32 [E_PAD]."""
     ends = tl.cumsum(counts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_ends = tl.cumsum(tiles, 0)
@@ -105,13 +100,73 @@ def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
         tl.store(sched_ptr + 2 * Z + t, end, mask=m)
 
 
+@triton.jit(do_not_specialize=['P', 'Z'])   # counts of tokens: one compilation for all
+def _schedule_kernel(ids_ptr, order_ptr, pos_ptr, sched_ptr, P, Z, E,
+                     P_PAD: tl.constexpr, E_PAD: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: `moe_schedule`'s stable sort by expert (keys expert * P_PAD + pair), the per-expert
+    row ranges and tiles, and the inverse permutation, in one launch instead of ~30 torch ops."""
+    i = tl.arange(0, P_PAD)
+    valid = i < P
+    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    order = tl.sort(tl.where(valid, ids * P_PAD + i, E_PAD * P_PAD + i)) % P_PAD   # padding sorts last
+    tl.store(order_ptr + i, order, mask=valid)
+    tl.store(pos_ptr + order, i, mask=valid)
+    _store_tiles(tl.histogram(ids, E_PAD, mask=valid), sched_ptr, Z, E, E_PAD, Z_BLOCK, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=['P'])
+def _chunk_counts_kernel(ids_ptr, counts_ptr, P, C: tl.constexpr, E_PAD: tl.constexpr):
+    """Program b: the pairs of each expert among pairs [b C, (b + 1) C) into counts[b, :E_PAD]."""
+    b = tl.program_id(0)
+    i = b * C + tl.arange(0, C)
+    valid = i < P
+    ids = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    tl.store(counts_ptr + b * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD, mask=valid))
+
+
+@triton.jit(do_not_specialize=['Z', 'B'])
+def _chunk_offsets_kernel(counts_ptr, sched_ptr, Z, E, B, B_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                          Z_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program over the chunks' counts [B, E_PAD]: counts[b, e] becomes where chunk b's sorted pairs of
+    expert e begin in the stable order, less the chunk's own pairs of lower experts (the scatter adds each
+    pair's place in its chunk's sort); then the tiles (`_store_tiles`)."""
+    chunk = tl.arange(0, B_PAD)
+    off = chunk[:, None] * E_PAD + tl.arange(0, E_PAD)[None, :]
+    mask = (chunk < B)[:, None]
+    c = tl.load(counts_ptr + off, mask=mask, other=0)
+    total = tl.sum(c, axis=0)
+    first = tl.cumsum(total, 0) - total                              # each expert's first row
+    tl.store(counts_ptr + off, first[None, :] + (tl.cumsum(c, 0) - c) - (tl.cumsum(c, 1) - c), mask=mask)
+    _store_tiles(total, sched_ptr, Z, E, E_PAD, Z_BLOCK, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=['P'])
+def _chunk_scatter_kernel(ids_ptr, offs_ptr, order_ptr, pos_ptr, P, C: tl.constexpr, E_PAD: tl.constexpr):
+    """Program b sorts pairs [b C, (b + 1) C) by (expert, pair) and writes each to its row of the stable
+    order: `_chunk_offsets_kernel`'s offset of (b, expert) plus its place in the chunk's sort."""
+    b = tl.program_id(0)
+    j = tl.arange(0, C)
+    valid = b * C + j < P
+    ids = tl.load(ids_ptr + b * C + j, mask=valid, other=0).to(tl.int32)
+    keys = tl.sort(tl.where(valid, ids * C + j, E_PAD * C + j))         # padding sorts last
+    e = keys // C
+    pair = b * C + keys % C
+    used = e < E_PAD
+    row = tl.load(offs_ptr + b * E_PAD + e, mask=used, other=0) + j
+    tl.store(order_ptr + row, pair, mask=used)
+    tl.store(pos_ptr + pair, row, mask=used)
+
+
 def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """`moe_schedule` as `cuda_mma.launch` takes it: (order int32 [P], pos int32 [P] its inverse
-    (pos[order[s]] = s), schedule int32 [3, Z] (`schedule_tiles`)). Up to SCHEDULE_MAX_PAIRS pairs in one
-    launch (`_schedule_kernel`), beyond from `moe_schedule`'s torch ops; both give the same values."""
+    (pos[order[s]] = s), schedule int32 [3, Z] (`schedule_tiles`)): up to SCHEDULE_MAX_PAIRS pairs in one
+    launch (`_schedule_kernel`), beyond in three (counts of SCHEDULE_CHUNK-pair chunks, their offsets and the
+    tiles, each chunk sorted and scattered), past SCHEDULE_MAX_CHUNKS chunks from `moe_schedule`'s torch ops;
+    the same values either way.""" 
     p = topk_ids.numel()
     dev = topk_ids.device
-    if not 0 < p <= SCHEDULE_MAX_PAIRS:
+    chunks = triton.cdiv(p, SCHEDULE_CHUNK)
+    if not 0 < chunks <= SCHEDULE_MAX_CHUNKS:
         order, tile_expert, tile_start, tile_end = moe_schedule(topk_ids, num_experts, block_m)
         pos = torch.empty_like(order)
         pos[order] = torch.arange(p, device=dev)
@@ -120,9 +175,18 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     order = torch.empty(p, dtype=torch.int32, device=dev)
     pos = torch.empty(p, dtype=torch.int32, device=dev)
     schedule = torch.empty((3, z), dtype=torch.int32, device=dev)
-    _schedule_kernel[(1,)](topk_ids.reshape(-1), order, pos, schedule, p, z, num_experts,
-                           P_PAD=triton.next_power_of_2(p), E_PAD=triton.next_power_of_2(num_experts),
-                           Z_BLOCK=64, BLOCK_M=block_m, num_warps=8)
+    ids = topk_ids.reshape(-1)
+    e_pad = triton.next_power_of_2(num_experts)
+    if p <= SCHEDULE_MAX_PAIRS:
+        _schedule_kernel[(1,)](ids, order, pos, schedule, p, z, num_experts, P_PAD=triton.next_power_of_2(p),
+                               E_PAD=e_pad, Z_BLOCK=64, BLOCK_M=block_m, num_warps=8)
+        return order, pos, schedule
+    offsets = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
+    _chunk_counts_kernel[(chunks,)](ids, offsets, p, C=SCHEDULE_CHUNK, E_PAD=e_pad, num_warps=4)
+    b_pad = 64 if chunks <= 64 else SCHEDULE_MAX_CHUNKS
+    _chunk_offsets_kernel[(1,)](offsets, schedule, z, num_experts, chunks, B_PAD=b_pad, E_PAD=e_pad, Z_BLOCK=64,
+                                BLOCK_M=block_m, num_warps=8 if b_pad == 64 else 16)
+    _chunk_scatter_kernel[(chunks,)](ids, offsets, order, pos, p, C=SCHEDULE_CHUNK, E_PAD=e_pad, num_warps=4)
     return order, pos, schedule
 
 

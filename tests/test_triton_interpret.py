@@ -388,13 +388,14 @@ def check_moe_exact(op_order: str) -> None:
 
 def check_moe_schedule_and_combine() -> None:
     """`schedule_rows`' one-launch sort and tiling equals `moe_schedule`'s torch ops (order, tiles, the
-    inverse) over expert counts that are not powers of two, unused experts, one pair and 4096 pairs;
+    inverse) over expert counts that are not powers of two, unused experts, one pair and 4096 pairs, and its
+    chunked form beyond SCHEDULE_MAX_PAIRS (a partial last chunk);
     `combine` equals the router-weighted slot sum of the pairs' rows within one fp32 rounding a slot, and
     without weights or gather, bitwise the rows added one at a time in slot order."""
     from nvfp4_sampler.kernels import triton_moe
     g = torch.Generator().manual_seed(5)
     for tokens, top_k, experts, block_m in ((1, 1, 4, 8), (3, 2, 60, 8), (64, 8, 128, 8), (40, 4, 16, 16),
-                                             (512, 8, 128, 8), (7, 8, 256, 32)):
+                                             (512, 8, 128, 8), (7, 8, 256, 32), (700, 8, 128, 128), (1030, 4, 60, 64)):
         ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
         ids[: tokens // 2] %= max(1, experts // 3)                 # crowd some experts, leave others unused
         order, pos, sched = triton_moe.schedule_rows(ids, experts, block_m)
@@ -409,6 +410,13 @@ def check_moe_schedule_and_combine() -> None:
             assert (ids.reshape(-1)[order.long()[r0:r1]] == e).all()
             covered[r0:r1] += 1
         assert (covered == 1).all(), (tokens, top_k, experts)
+        if ids.numel() > triton_moe.SCHEDULE_MAX_PAIRS:              # more chunks than the 64-row count tile
+            chunk, triton_moe.SCHEDULE_CHUNK = triton_moe.SCHEDULE_CHUNK, 64
+            try:
+                assert all(torch.equal(a, b) for a, b in zip(triton_moe.schedule_rows(ids, experts, block_m),
+                                                             (order, pos, sched)))
+            finally:
+                triton_moe.SCHEDULE_CHUNK = chunk
         h = 48
         y = torch.randn(ids.numel(), h, generator=g)
         w = torch.rand(tokens, top_k, generator=g).to(torch.bfloat16)
