@@ -126,6 +126,30 @@ def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swigl
     assert "0 bytes spill stores" in log, log
 
 
+@pytest.mark.parametrize("name", ["w13 codes interleaved", "w13 codes 256-row", "w2 codes 256-row"])
+def test_exact_moe_candidate_forms_compile_without_spills(name):
+    """bench_kernels' candidate codes forms of the exact MoE GEMMs (w13's gate and up rows interleaved, 256-row
+    tiles): wgmma with the tokens as its N (256 for the 256-row tiles), at most four words spilled (Triton 3.6,
+    the device's: none; 3.9: 4 and 16 bytes at 256 rows)."""
+    from bench import bench_kernels
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe
+    weight = name.split()[0]
+    swiglu = weight == "w13"
+    cfg = dict(triton_moe.exact_tall_config(weight, True), **bench_kernels.EXACT_CODES_CANDIDATES[name])
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
+    consts.update(GROUPED=True, SWIGLU=swiglu, HAS_BIAS=False, USE_ASM=True, A_INDEX=swiglu, W_CODES=1)
+    if not swiglu:
+        consts["a_index"] = None
+    sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32",
+           "stride_gs_e": "i32", "stride_gs_n": "i32", "bias": "*bf16", "out": "*bf16" if swiglu else "*fp32",
+           "ws": "*fp32", "counters": "*i32", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
+           **{k: "constexpr" for k in consts}}
+    ptx, log = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
+                        ("a", "a_gs", "w", "w_scales", "w_gs", "out", "sched", "N", "K"), **cfg)
+    assert f"wgmma.mma_async.sync.aligned.m64n{consts['BLOCK_M']}k16" in ptx
+    assert int(re.search(r"(\d+) bytes spill stores", log).group(1)) <= 16, log
+
+
 @pytest.mark.parametrize("m", [16, 64])
 def test_exact_gemm_on_tiled_codes_uses_wgmma_without_spills(m):
     """The decode-size configuration (`exact_small_config`) on a dense "mma_tiled" weight (W_CODES 2), as
