@@ -76,11 +76,12 @@ EXACT_MOE_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=0, SPLIT_K=
                         num_stages=4)             # the exact MoE GEMM over 16-row expert tiles, codes decoded inside
 EXACT_MOE_ORDER_SWEEP = [dict(GROUP_M=g) for g in (0, 1, 4, 8, 16)]   # the exact MoE at >= 1024 tokens: row tiles a
                                                                      # column sweep, on each weight's default form
-EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at M >= 4096:
-               for bm, bn, st, w, c in ((128, 256, 3, 8, False), (128, 256, 4, 8, False),   # tiles, weights as
-                                        (128, 128, 4, 8, False), (256, 128, 3, 8, False),   # fp16 or codes
-                                        (128, 128, 4, 4, False), (128, 256, 3, 8, True),
-                                        (128, 128, 4, 8, True), (256, 128, 3, 8, True))]
+EXACT_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w, W_CODES=c)   # the exact GEMM at
+               for bm, bn, bk, st, w, c in ((128, 256, 64, 3, 8, False), (128, 256, 64, 4, 8, False),  # M >= 4096:
+                                            (128, 128, 64, 4, 8, False), (256, 128, 64, 3, 8, False),  # tiles, weights
+                                            (128, 128, 64, 4, 4, False), (128, 256, 64, 3, 8, True),   # as fp16 or codes
+                                            (128, 128, 64, 4, 8, True), (256, 128, 64, 3, 8, True),
+                                            (256, 128, 128, 3, 8, True))]
 PEER = "humming-kernels 0.1.19 (NVFP4 weights, BF16 activations, default kernels)"
 
 
@@ -257,7 +258,7 @@ def bench_linear(log, peak_gbps: float, quick: bool, shapes: list[str], sweep_co
                 xq = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 row["exact_tiles_ms"] = {
-                    "{BLOCK_M}x{BLOCK_N} s{num_stages} w{num_warps}{}".format(" codes" * c["W_CODES"], **c): tried_ms(lambda c=c: [
+                    "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} s{num_stages} w{num_warps}{}".format(" codes" * c["W_CODES"], **c): tried_ms(lambda c=c: [
                         triton_gemm.launch_exact(xq, w, out, config=dict(triton_gemm.EXACT_DENSE, **c))
                         for w in w_q]) / len(w_q) for c in EXACT_SWEEP}
             if mma:                                       # the mma kernel alone, activation quantized beforehand
