@@ -462,8 +462,9 @@ def launch_exact(a: triton_quant.ExactRows, w: NVFP4Tensor, out: torch.Tensor, *
     swiglu: w has 2N rows (gate, then up; per expert) and out = silu(gate) * up (the MoE's w13).
     a_index: int32/int64 [M] on a's device: out row m is computed from row a_index[m] of a (the MoE's tokens
     quantized once each, read per (token, expert) pair: no gathered copy of the rows is written)
-    config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override). use_asm: the decode's PTX
-    table (GPU default) or portable arithmetic (same values; the interpreter)."""
+    config: EXACT_DENSE / EXACT_GROUPED by default (a benchmark override); its INTERLEAVE applies to swiglu
+    launches only (gate and up rows 8 by 8 in one tile; the same bits). use_asm: the decodes' PTX (GPU default)
+    or portable arithmetic (same values; the interpreter)."""
     grouped = schedule is not None
     if grouped != (w.codes.dim() == 3):
         raise ValueError(f"a schedule goes with stacked experts [E, N, K], got {tuple(w.shape)}, schedule "
