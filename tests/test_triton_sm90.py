@@ -126,6 +126,35 @@ def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swigl
     assert "0 bytes spill stores" in log, log
 
 
+def _loop_ops(sass: str) -> list[str]:
+    """The opcodes of a kernel's longest loop (from a backward branch's target to the branch)."""
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    loops = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
+             if int(t, 16) < int(a, 16)]
+    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    return [op for a, op in ins if lo <= a <= hi]
+
+
+def test_exact_moe_codes_decode_issues_few_instructions_per_mma():
+    """w13's codes form over 128-row tiles (`exact_tall_config`): the K loop issues at most 62 instructions a
+    HGMMA (its 4 decoded FP16x2 registers a thread, their scales, the loads and the loop). Measured: 60.2 with
+    Triton 3.9, 56.6 with 3.6; the two-table decode before the pair decode 66.9 / 64.6."""
+    from nvfp4_sampler.kernels import triton_gemm, triton_moe
+    cfg = triton_moe.exact_tall_config("w13", True)
+    consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
+    consts.update(GROUPED=True, SWIGLU=True, HAS_BIAS=False, USE_ASM=True, A_INDEX=True, W_CODES=1)
+    sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32",
+           "stride_gs_e": "i32", "stride_gs_n": "i32", "bias": "*bf16", "out": "*bf16", "ws": "*fp32",
+           "counters": "*i32", "sched": "*i32", "Z": "i32", "M": "i32", "N": "i32", "K": "i32",
+           **{k: "constexpr" for k in consts}}
+    _, sass = _compile(triton_gemm._exact_gemm_kernel, sig, consts,
+                       ("a", "a_gs", "w", "w_scales", "w_gs", "out", "sched", "N", "K"), sass=True, **cfg)
+    ops = _loop_ops(sass)
+    mmas = sum(op.startswith("HGMMA") for op in ops)
+    assert mmas == 2 * consts["BLOCK_K"] // 16                       # gate and up, one a 16-element K step
+    assert len(ops) / mmas <= 62, f"{len(ops) / mmas:.1f} instructions a HGMMA"
+
+
 @pytest.mark.parametrize("name", ["w13 codes interleaved", "w13 codes 256-row", "w2 codes 256-row"])
 def test_exact_moe_candidate_forms_compile_without_spills(name):
     """bench_kernels' candidate codes forms of the exact MoE GEMMs (w13's gate and up rows interleaved, 256-row
