@@ -432,19 +432,17 @@ def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
             if ev.self_device_time_total > 0}
 
 
-# Candidate codes forms of the exact MoE GEMMs (the same bits as the defaults'): 128-row tiles with w13's gate and
-# up rows interleaved (one accumulator), and 256-row tiles (a weight tile decoded once for 256 rows; w13
-# interleaved; sm_90a: 255 / 254 registers, no spills, Triton 3.6)
-EXACT_CODES_CANDIDATES = {
-    "w13 codes interleaved": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, INTERLEAVE=True),
-    "w13 codes 256-row": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3, INTERLEAVE=True),
-    "w2 codes 256-row": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)}
+# The exact MoE GEMMs beside the defaults (`triton_moe.exact_form`): a candidate codes form (128-row tiles with
+# w13's gate and up rows interleaved, one accumulator; the same bits) and the FP16 copies with the dequantization,
+# the default beyond 4096 tokens until the thirtieth session (forms of the twenty-ninth: 128-row tiles)
+EXACT_CODES_CANDIDATES = {"w13 codes interleaved": dict(BLOCK_N=64, num_warps=8, num_stages=4, INTERLEAVE=True)}
+EXACT_FP16_FORMS = {"w13": dict(num_stages=4), "w2": dict(BLOCK_N=256, num_stages=4, GROUP_M=16)}
 
 
 def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
-    """Each weight's exact GEMM alone in its two `triton_moe.EXACT_TALL_FORMS` over 128-row tiles (codes decoded in
-    the GEMM; FP16 experts, the dequantization included: where `EXACT_CODES_MAX_PAIRS` puts each weight's bound),
-    in the EXACT_CODES_CANDIDATES forms, and the layer with both weights' 256-row candidates."""
+    """Each weight's exact GEMM alone in its codes forms over 128- and 256-row tiles (`triton_moe.exact_form`),
+    the EXACT_CODES_CANDIDATES and its FP16 copy (EXACT_FP16_FORMS, the dequantization included), and the layer on
+    128- and 256-row tiles."""
     scheds = {bm: triton_moe.schedule_rows(ti, w13.shape[0], bm) for bm in (128, 256)}
     a = triton_quant.quantize_per_token_exact(x, dtype=torch.float16)
     act = torch.randn((ti.numel(), w2.shape[2]), dtype=x.dtype, device=x.device)
@@ -458,15 +456,18 @@ def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
             return tried_ms(lambda: triton_gemm.launch_exact(a, w13, act, schedule=sched, swiglu=True, config=cfg,
                                                              a_index=index))
         return tried_ms(lambda: triton_gemm.launch_exact(b, w2, y, schedule=sched, config=cfg))
-    out = {f"{w} {form}": launch(w, triton_moe.exact_tall_config(w, form == "codes"))
-           for form in ("codes", "fp16") for w in ("w13", "w2")}
+    out = {}
+    for w in ("w13", "w2"):
+        for rows in (128, 256):
+            out[f"{w} codes {rows}-row"] = launch(w, triton_moe.exact_form(w, rows))
+        out[f"{w} fp16"] = launch(w, dict(triton_moe.exact_form(w, 128), W_CODES=False, **EXACT_FP16_FORMS[w]))
     for name, form in EXACT_CODES_CANDIDATES.items():
         weight = name.split()[0]
-        out[name] = launch(weight, dict(triton_moe.exact_tall_config(weight, True), **form))
-    wide = {w: dict(triton_moe.exact_tall_config(w, True), **EXACT_CODES_CANDIDATES[f"{w} codes 256-row"])
-            for w in ("w13", "w2")}
-    out["layer, codes 256-row"] = tried_ms(lambda: triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact",
-                                                                          config=wide))
+        out[name] = launch(weight, dict(triton_moe.exact_form(weight, 128), **form))
+    for rows in (128, 256):
+        forms = {w: triton_moe.exact_form(w, rows) for w in ("w13", "w2")}
+        out[f"layer, {rows}-row"] = tried_ms(lambda: triton_moe._moe_tiled(x, w13, w2, tw, ti, "vllm", gemm="exact",
+                                                                           config=forms))
     return out
 
 
@@ -713,7 +714,7 @@ def print_tables(records: list[dict], device: str, print=print) -> None:
                        ("mma_nt_ms", "mma by NT (token tiles of 8 per expert tile)"),
                        ("exact_codes_ms", "exact, codes decoded in the GEMM, by expert tile"),
                        ("exact_order_ms", "exact (the default's forms), by row tiles per column sweep (G, 0: all)"),
-                       ("exact_forms_ms", "exact, each weight's GEMM alone by form (codes, FP16 experts, candidates)")):
+                       ("exact_forms_ms", "exact, each weight's GEMM alone by form (codes by tile rows, candidates, FP16 experts)")):
         for r in by("moe"):
             if key in r:
                 print(f"  {r['tokens']:6d} tokens, {label}: "

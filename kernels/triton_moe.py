@@ -8,9 +8,8 @@ each expert's rows, each active expert's weights read once per tile, in six laun
 (`schedule_rows`, two quantizers, two GEMMs, `combine`; torch's `order // k` beside them) (H200,
 Qwen3-30B-A3B layer, 2026-12-05: 16 tokens 137 us, 64 tokens 204 us, 2.6x / 2.4x the BF16 grouped
 GEMM, before the 8-chunk slice). Larger batches ("exact"): the same steps with a Triton FP16 tensor-core
-GEMM over 64- or 128-row tiles, each weight's codes decoded in it (up to its EXACT_CODES_MAX_PAIRS) or its
-experts dequantized to exact FP16 (`triton_gemm.launch_exact`), x quantized once per token and read per pair
-by the GEMM, the SwiGLU fused into w13's epilogue. The
+GEMM over 64-, 128- or 256-row tiles, each weight's codes decoded in it (`triton_gemm.launch_exact`), x
+quantized once per token and read per pair by the GEMM, the SwiGLU fused into w13's epilogue. The
 grouped packed GEMM below where neither fits
 (steps all on the device; the grid sizes depend only on T, top-k and E):
   1. schedule   (token, slot) pairs sorted by expert (stable), per-expert row ranges and a list of
@@ -229,8 +228,8 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     or [E, 2I]); w2 [E, H, I] ([E] or [E, H]); topk_weights [T, k]; topk_ids [T, k] int.
     op_order: the per-token activation quantizer's, "vllm" or "te". path: None (by size: "pairs" up to
     PAIRED_MAX_PAIRS (token, expert) pairs, "mma" up to MMA_MAX_PAIRS where `mma_fits` (16-row expert tiles
-    from MMA_WIDE_PAIRS), "exact" beyond where `exact_fits` (the codes decoded in the GEMM up to
-    EXACT_CODES_MAX_PAIRS), else "grouped"), or one forced: "pairs", "grouped", "mma" (what `mma_fits`
+    from MMA_WIDE_PAIRS), "exact" beyond where `exact_fits` (the codes decoded in the GEMM, `exact_config`),
+    else "grouped"), or one forced: "pairs", "grouped", "mma" (what `mma_fits`
     checks), "exact" (bf16/fp16 x, ModelOpt weights with H, I % 64 == 0: `_moe_tiled`'s FP16 tensor-core GEMM).
     Returns [T, H] in x.dtype, equal to `reference.moe` up to FP32 summation order."""
     if w13.codes.dim() != 3 or w2.codes.dim() != 3:
@@ -281,47 +280,51 @@ PAIRED_MAX_PAIRS = switches.count("NVFP4_SAMPLER_PAIRED_MAX_PAIRS", 32, cuda_mma
 MMA_MAX_PAIRS = 2048  # the default path's upper end (H200, 30B-A3B layer, top-8, us mma / grouped): 32 tokens
                       # 275 / 419, 64: 308 / 460, 128: 392 / 467, 256: 577 / 615; 1024: 1709 / 1269
 MMA_WIDE_PAIRS = 513  # from here the mma path's expert tiles hold 16 rows (`cuda_mma.GROUPED_NT_WIDE`)
-# Beyond MMA_MAX_PAIRS the default is "exact": each weight's codes decoded in its GEMM up to its bound here, its
-# experts dequantized to exact FP16 for the call above it. H100, twenty-ninth session, 30B-A3B layer, us of each
-# weight's GEMM alone, codes / fp16 with its dequantization, 128-row tiles, at 1024 / 2048 / 4096 / 6144 / 8192
-# tokens: w13 370 / 540 / 885 / 1208 / 1527 against 666 / 705 / 841 / 986 / 1160; w2 187 / 271 / 458 / 623 / 800
-# against 358 / 398 / 513 / 627 / 752. Both bounds at 4096 tokens of top-8 (w13 crosses between 3072 and 4096, w2
-# at ~6144), where the load-time warm-up runs both sides (4096 and 4097 tokens).
-EXACT_CODES_MAX_PAIRS = {"w13": 4096 * 8, "w2": 4096 * 8}
+# Beyond MMA_MAX_PAIRS the default is "exact": each weight's codes decoded in its GEMM (`_decode_pairs`), over
+# tiles of 64 rows, 128 from EXACT_TALL_ROWS rows an expert on average, 256 from EXACT_WIDE_ROWS (both weights: one
+# schedule). H100, thirtieth session, 30B-A3B layer, us of each weight's GEMM alone at 1024 / 2048 / 4096 / 6144 /
+# 8192 tokens: w13 128-row codes 340 / 483 / 770 / 1073 / 1330, 256-row (interleaved) 486 / 495 / 728 / 987 / 1168,
+# its FP16 copy with the dequantization (the default beyond 4096 tokens until then) 664 / 701 / 833 / 1001 / 1149;
+# w2 188 / 270 / 459 / 635 / 799, 256-row 265 / 274 / 414 / 548 / 679, FP16 358 / 398 / 513 / 635 / 747. The
+# layer at 8192 tokens on 256-row codes 2215 us against 2255 with the FP16 copies, and no transient FP16 experts
+# (1.2 GB a call).
 EXACT_TALL_ROWS = 64    # from this many rows an expert on average, the exact path's tiles hold 128 rows (H100,
                        # twenty-ninth session, 1024 tokens (64 rows an expert), us w13 / w2 with codes: 64-row tiles,
                        # 128-element K steps 403 / 215, 128-row 377 / 190)
-# Each weight's GEMM form over 128-row tiles (EXACT_GROUPED's keys; 64-row tiles take EXACT_GROUPED). H100,
-# twenty-ninth session, us at 1024 / 8192 tokens: w13 codes with 64-column tiles, 4 warps, 4 stages 371 / 1516
-# (EXACT_GROUPED 413 / 1699, 128-element K steps 377 / 1524 but spilling); w2 codes with 128-element K steps 190 /
-# 837 (EXACT_GROUPED 264 / 1100, H100 first probe); fp16: w13 with 4 stages 697 / 1217, w2 with 256-column tiles,
-# 4 stages, GROUP_M 16 376 / 758 (EXACT_GROUPED 409 / 893).
-EXACT_TALL_FORMS = {"w13": {"codes": dict(BLOCK_N=64, num_warps=4, num_stages=4), "fp16": dict(num_stages=4)},
-                    "w2": {"codes": dict(BLOCK_K=128), "fp16": dict(BLOCK_N=256, num_stages=4, GROUP_M=16)}}
+EXACT_WIDE_ROWS = 256   # from this many, 256 rows (4096 tokens of top-8 over 128 experts; 128-row tiles win at 2048)
+# Each weight's GEMM form by tile rows (EXACT_GROUPED's keys; 64-row tiles take EXACT_GROUPED). 128 rows (H100,
+# twenty-ninth session, us at 1024 / 8192 tokens): w13 with 64-column tiles, 4 warps, 4 stages 371 / 1516 then
+# (EXACT_GROUPED 413 / 1699, 128-element K steps 377 / 1524 but spilling); w2 with 128-element K steps 190 / 837
+# (EXACT_GROUPED 264 / 1100). 256 rows: a decoded weight tile feeds HGMMA of N 256, w13's gate and up rows
+# interleaved in one accumulator (INTERLEAVE; without it the wgmma serialized at 255 registers).
+EXACT_FORMS = {128: {"w13": dict(BLOCK_N=64, num_warps=4, num_stages=4), "w2": dict(BLOCK_K=128)},
+               256: {"w13": dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3, INTERLEAVE=True),
+                     "w2": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)}}
 
 
 def exact_config(pairs: int, w13: NVFP4Tensor, w2: NVFP4Tensor) -> dict[str, dict]:
     """The "exact" path's GEMM configurations {"w13": ..., "w2": ...} for T * k = `pairs` over the experts of
-    w13 [E, 2I, H] and w2 [E, H, I]: each weight's codes decoded in the GEMM up to its EXACT_CODES_MAX_PAIRS, its
-    experts dequantized to FP16 for the call beyond; 128-row tiles (in each weight's EXACT_TALL_FORMS, where its
-    K is a multiple of the form's K step) from EXACT_TALL_ROWS rows an expert on average, else 64 (both weights:
-    one schedule); GROUP_M row tiles per column sweep (they share their weight tile in L2; the same bits in any
-    order; column-major, GROUP_M 0, 809 / 3747 us at 1024 / 8192 tokens, twenty-first session)."""
-    tall = pairs >= EXACT_TALL_ROWS * w13.shape[0]
+    w13 [E, 2I, H] and w2 [E, H, I], the codes decoded in the GEMM: tiles of 256 rows from EXACT_WIDE_ROWS rows an
+    expert on average, 128 from EXACT_TALL_ROWS (each weight's EXACT_FORMS form; 128 rows where a weight's K is not
+    a multiple of the 256-row forms' K step, EXACT_GROUPED's where not of the 128-row form's), else 64 (both
+    weights: one schedule); GROUP_M row tiles per column sweep (they share their weight tile in L2; the same bits in
+    any order; column-major, GROUP_M 0, 809 / 3747 us at 1024 / 8192 tokens, twenty-first session)."""
+    rows = pairs / w13.shape[0]
+    tile = 256 if rows >= EXACT_WIDE_ROWS else 128 if rows >= EXACT_TALL_ROWS else 64
+    if tile == 256 and any(w.shape[2] % exact_form(n, 256)["BLOCK_K"] for n, w in (("w13", w13), ("w2", w2))):
+        tile = 128
     out = {}
     for name, w in (("w13", w13), ("w2", w2)):
-        codes = pairs <= EXACT_CODES_MAX_PAIRS[name]
-        form = exact_tall_config(name, codes)
-        out[name] = (form if tall and w.shape[2] % form["BLOCK_K"] == 0
-                     else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128 if tall else 64, W_CODES=codes))
+        form = exact_form(name, tile) if tile > 64 else None
+        out[name] = (form if form and w.shape[2] % form["BLOCK_K"] == 0
+                     else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=tile, W_CODES=True))
     return out
 
 
-def exact_tall_config(weight: str, codes: bool) -> dict:
-    """The exact GEMM's configuration for `weight` ("w13" or "w2") over 128-row tiles: its EXACT_TALL_FORMS form
-    with the codes decoded in the GEMM (codes) or its experts dequantized to FP16."""
-    base = dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=128, W_CODES=codes)
-    return dict(base, **EXACT_TALL_FORMS[weight]["codes" if codes else "fp16"])
+def exact_form(weight: str, rows: int) -> dict:
+    """The exact GEMM's configuration for `weight` ("w13" or "w2") over tiles of `rows` (128 or 256) rows: its
+    EXACT_FORMS form, the codes decoded in the GEMM."""
+    return dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, BLOCK_M=rows, W_CODES=True, **EXACT_FORMS[rows][weight])
 
 
 def moe_path(pairs: int, x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor) -> str:
@@ -364,9 +367,9 @@ def _moe_tiled(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights:
     by default), every bit the same) or "exact"
     (`triton_gemm.launch_exact` over tiles of config's BLOCK_M rows, SwiGLU in w13's epilogue (the same
     operations, no fp32 [P, 2I]; x quantized once per token, each pair's GEMM row reading its token's row):
-    larger batches; config: `exact_config`'s choice for the pair count ({"w13": ..., "w2": ...}: the codes
-    decoded inside the GEMM up to EXACT_CODES_MAX_PAIRS, the experts dequantized to exact FP16 for the call
-    beyond; their BLOCK_M equal), or one configuration for both, EXACT_GROUPED if None).
+    larger batches; config: `exact_config`'s choice for the pair count ({"w13": ..., "w2": ...}, their BLOCK_M
+    equal; a form without W_CODES dequantizes the experts to exact FP16 for the call), or one configuration for
+    both, EXACT_GROUPED if None).
     Deterministic: fixed split-K order, a stable sort."""
     if gemm == "mma" and not mma_fits(x, w13, w2):
         raise ValueError(f"the mma MoE takes bf16/fp16 x and ModelOpt weights with N % 16 == 0, K % 128 == 0 on a "

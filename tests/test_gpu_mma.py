@@ -319,8 +319,8 @@ def test_grouped_kernel_moe_matches_reference_and_is_deterministic(mods, tokens,
 
 @pytest.mark.parametrize("tokens", [300, 3000])
 def test_exact_moe_defaults_match_reference_and_read_token_rows(mods, tokens):
-    """The "exact" path with `exact_config`'s forms for the pair count (300 tokens: codes decoded in both GEMMs,
-    64-row tiles; 3000: 128-row tiles, each weight in its form above its EXACT_CODES_MAX_PAIRS) against
+    """The "exact" path with `exact_config`'s forms for the pair count (300 tokens: 128-row tiles; 3000: 256-row
+    tiles, w13's gate and up rows interleaved; the codes decoded in both GEMMs) against
     `reference.moe`, deterministic; w13's GEMM reading each pair's token row through an index (x quantized once
     a token) gives the bits of the rows quantized in pair order; the dequantization's PTX decode gives the
     portable decode's bits."""
@@ -352,8 +352,9 @@ def test_exact_moe_defaults_match_reference_and_read_token_rows(mods, tokens):
         for w_codes in (True, False):                                  # at equal tiles
             both.append(torch.full((tokens * top_k, n), float("nan"), device="cuda",
                                    dtype=torch.bfloat16 if swiglu else torch.float32))
-            triton_gemm.launch_exact(a, w, both[-1], schedule=schedule, swiglu=swiglu, config=dict(cfg, W_CODES=w_codes),
-                                     a_index=order // top_k if swiglu else None)
+            triton_gemm.launch_exact(a, w, both[-1], schedule=schedule, swiglu=swiglu, a_index=order // top_k if swiglu
+                                     else None, config=dict(cfg, W_CODES=w_codes, **({"num_stages": 2} if
+                                                            cfg["BLOCK_M"] == 256 else {})))   # FP16 tiles: smem
         assert torch.equal(both[0], both[1]), f"{'w13' if swiglu else 'w2'}: codes and FP16 copy differ"
 
 

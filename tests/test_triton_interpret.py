@@ -376,10 +376,12 @@ def check_moe_exact(op_order: str) -> None:
     assert {(c["BLOCK_M"], c["GROUP_M"]) for c in tall.values()} == {(128, 4)}
     got128 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=tall)
     assert ((got128.float() - grouped).norm() / grouped.norm()).item() < 1e-2
-    beyond = triton_moe.exact_config(max(triton_moe.EXACT_CODES_MAX_PAIRS.values()) + 1, w13, w2)   # FP16 experts
-    assert beyond == {w: triton_moe.exact_tall_config(w, False) for w in ("w13", "w2")}           # in each weight's
-    got_fp16 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=beyond)  # form
-    assert ((got_fp16.float() - grouped).norm() / grouped.norm()).item() < 1e-2
+    wide = triton_moe.exact_config(triton_moe.EXACT_WIDE_ROWS * experts, w13, w2)   # 256-row tiles only where
+    assert {c["BLOCK_M"] for c in wide.values()} == {128}                        # both K steps fit (w2's K is 64)
+    wide = {"w13": triton_moe.exact_form("w13", 256),                            # w13's 256-row form (interleaved)
+            "w2": dict(triton_gemm.EXACT_GROUPED, BLOCK_M=256, BLOCK_N=64, num_warps=4, W_CODES=True)}
+    got256 = triton_moe._moe_tiled(x, w13, w2, topk_w, topk_ids, op_order, gemm="exact", config=wide)
+    assert ((got256.float() - grouped).norm() / grouped.norm()).item() < 1e-2
     once = triton_quant.quantize_per_token_exact(x, dtype=torch.float16, op_order=op_order)   # x quantized once a
     indexed = torch.full_like(act, float("nan"))                                          # token, each pair's row
     triton_gemm.launch_exact(once, w13, indexed, schedule=schedule, swiglu=True, a_index=order // top_k)  # read

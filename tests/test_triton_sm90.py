@@ -95,15 +95,16 @@ def test_quantizers_issue_few_instructions_per_element(kind):
 
 
 @pytest.mark.parametrize("w_codes", [False, True], ids=["fp16-weights", "codes"])
-@pytest.mark.parametrize("grouped,swiglu,tall", [(True, True, False), (True, True, True), (True, False, False),
-                                                 (True, False, True), (False, False, False)],
+@pytest.mark.parametrize("grouped,swiglu,rows", [(True, True, 64), (True, True, 128), (True, False, 64),
+                                                 (True, False, 128), (False, False, 0)],
                          ids=["moe-w13", "moe-w13-tall", "moe-w2", "moe-w2-tall", "dense"])
-def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swiglu, tall, w_codes):
+def test_exact_gemm_uses_wgmma_with_pipelined_loads_and_no_spills(grouped, swiglu, rows, w_codes):
     """The exact GEMM in the forms `triton_moe.exact_config` gives each MoE weight (64-row tiles; 128-row tiles in
-    EXACT_TALL_FORMS) and the dense default: wgmma, pipelined loads, no spills."""
+    EXACT_FORMS; the 256-row forms: `test_exact_moe_wide_and_candidate_forms_compile_without_spills`) and the dense
+    default: wgmma, pipelined loads, no spills."""
     from nvfp4_sampler.kernels import triton_gemm, triton_moe
     if grouped:
-        cfg = (triton_moe.exact_tall_config("w13" if swiglu else "w2", w_codes) if tall
+        cfg = (dict(triton_moe.exact_form("w13" if swiglu else "w2", rows), W_CODES=w_codes) if rows == 128
                else dict(triton_gemm.EXACT_GROUPED, GROUP_M=4, W_CODES=w_codes))
     else:
         cfg = dict(triton_gemm.EXACT_DENSE, W_CODES=w_codes)
@@ -136,11 +137,11 @@ def _loop_ops(sass: str) -> list[str]:
 
 
 def test_exact_moe_codes_decode_issues_few_instructions_per_mma():
-    """w13's codes form over 128-row tiles (`exact_tall_config`): the K loop issues at most 62 instructions a
+    """w13's codes form over 128-row tiles (`exact_form`): the K loop issues at most 62 instructions a
     HGMMA (its 4 decoded FP16x2 registers a thread, their scales, the loads and the loop). Measured: 60.2 with
     Triton 3.9, 56.6 with 3.6; the two-table decode before the pair decode 66.9 / 64.6."""
     from nvfp4_sampler.kernels import triton_gemm, triton_moe
-    cfg = triton_moe.exact_tall_config("w13", True)
+    cfg = triton_moe.exact_form("w13", 128)
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
     consts.update(GROUPED=True, SWIGLU=True, HAS_BIAS=False, USE_ASM=True, A_INDEX=True, W_CODES=1)
     sig = {"a": "*fp16", "a_gs": "*fp32", "a_index": "*i32", "w": "*u8", "w_scales": "*fp8e4nv", "w_gs": "*fp32",
@@ -155,16 +156,17 @@ def test_exact_moe_codes_decode_issues_few_instructions_per_mma():
     assert len(ops) / mmas <= 62, f"{len(ops) / mmas:.1f} instructions a HGMMA"
 
 
-@pytest.mark.parametrize("name", ["w13 codes interleaved", "w13 codes 256-row", "w2 codes 256-row"])
-def test_exact_moe_candidate_forms_compile_without_spills(name):
-    """bench_kernels' candidate codes forms of the exact MoE GEMMs (w13's gate and up rows interleaved, 256-row
-    tiles): wgmma with the tokens as its N (256 for the 256-row tiles), at most four words spilled (Triton 3.6,
-    the device's: none; 3.9: 4 and 16 bytes at 256 rows)."""
+@pytest.mark.parametrize("name", ["w13 256-row", "w2 256-row", "w13 codes interleaved"])
+def test_exact_moe_wide_and_candidate_forms_compile_without_spills(name):
+    """The exact MoE's 256-row codes forms (`triton_moe.EXACT_FORMS`; w13's gate and up rows interleaved) and
+    bench_kernels' candidate (128-row tiles interleaved): wgmma with the tokens as its N (256 for the 256-row
+    tiles), at most four words spilled (Triton 3.6, the device's: none; 3.9: 4 and 16 bytes at 256 rows)."""
     from bench import bench_kernels
     from nvfp4_sampler.kernels import triton_gemm, triton_moe
     weight = name.split()[0]
     swiglu = weight == "w13"
-    cfg = dict(triton_moe.exact_tall_config(weight, True), **bench_kernels.EXACT_CODES_CANDIDATES[name])
+    cfg = (triton_moe.exact_form(weight, 256) if "256" in name
+           else dict(triton_moe.exact_form(weight, 128), **bench_kernels.EXACT_CODES_CANDIDATES[name]))
     consts = {k: cfg.pop(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "W_CODES", "SPLIT_K", "INTERLEAVE")}
     consts.update(GROUPED=True, SWIGLU=swiglu, HAS_BIAS=False, USE_ASM=True, A_INDEX=swiglu, W_CODES=1)
     if not swiglu:
