@@ -161,7 +161,7 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     (pos[order[s]] = s), schedule int32 [3, Z] (`schedule_tiles`)): up to SCHEDULE_MAX_PAIRS pairs in one
     launch (`_schedule_kernel`), beyond in three (counts of SCHEDULE_CHUNK-pair chunks, their offsets and the
     tiles, each chunk sorted and scattered), past SCHEDULE_MAX_CHUNKS chunks from `moe_schedule`'s torch ops;
-    the same values either way.""" 
+    the same values either way."""
     p = topk_ids.numel()
     dev = topk_ids.device
     chunks = triton.cdiv(p, SCHEDULE_CHUNK)
