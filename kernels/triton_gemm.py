@@ -144,8 +144,8 @@ _DUP_HALVES = tl.constexpr("prmt.b32 $0, $2, 0, 0x1010;\nprmt.b32 $1, $2, 0, 0x3
 @triton.jit
 def _decode_pairs(packed, scales, USE_ASM: tl.constexpr):
     """Packed codes uint8 [R, KH] and their e4m3 scales [R, KH/8] -> fp16 [R, 2 KH] in element order,
-    e2m1 * s * 2^-14 (exact; see `_pairs_decode_ptx`). USE_ASM: the PTX, else portable integer and
-    fp16 arithmetic (same values)."""
+    e2m1 * s * 2^-14 (exact; see `_pairs_decode_ptx`). USE_ASM: the PTX, else `_e2m1_fp16`'s portable
+    decode times 2^-14 and s in fp16 (same values)."""
     R: tl.constexpr = packed.shape[0]
     KH: tl.constexpr = packed.shape[1]
     s = scales.to(tl.float16)
@@ -159,8 +159,8 @@ def _decode_pairs(packed, scales, USE_ASM: tl.constexpr):
     else:
         b = packed.to(tl.int32)
         sb = tl.reshape(tl.broadcast_to(s[:, :, None], (R, KH // 8, 8)), (R, KH))
-        lo = ((((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)) * sb
-        hi = (((((b >> 4) & 7) << 9) | (((b >> 4) & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)) * sb
+        lo = (_e2m1_fp16(b & 15) * 2.0 ** -14) * sb
+        hi = (_e2m1_fp16(b >> 4) * 2.0 ** -14) * sb
     return tl.reshape(tl.join(lo, hi), (R, 2 * KH))
 
 

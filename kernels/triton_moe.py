@@ -73,8 +73,9 @@ def moe_schedule(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 SCHEDULE_MAX_PAIRS = 4096   # `schedule_rows` sorts the pairs in one program (registers); beyond, in chunks
 SCHEDULE_CHUNK = 1024       # pairs a program sorts beyond SCHEDULE_MAX_PAIRS, in up to SCHEDULE_MAX_CHUNKS chunks
-SCHEDULE_MAX_CHUNKS = 256   # (whose counts one program adds up, as 64 rows up to 64 chunks: two compilations, the
-                            # first reached by the load-time warm-up at 8192 tokens); beyond, `moe_schedule`'s torch ops
+SCHEDULE_MAX_CHUNKS = 256   # (whose counts one program adds up); beyond, `moe_schedule`'s torch ops
+SCHEDULE_FEW_CHUNKS = 64    # up to this many chunks the counts program holds this many rows, beyond MAX_CHUNKS: two
+                            # compilations, the first reached by the load-time warm-up at 8192 tokens of top-8
 
 
 @triton.jit
@@ -182,9 +183,9 @@ def schedule_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         return order, pos, schedule
     offsets = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
     _chunk_counts_kernel[(chunks,)](ids, offsets, p, C=SCHEDULE_CHUNK, E_PAD=e_pad, num_warps=4)
-    b_pad = 64 if chunks <= 64 else SCHEDULE_MAX_CHUNKS
+    b_pad = SCHEDULE_FEW_CHUNKS if chunks <= SCHEDULE_FEW_CHUNKS else SCHEDULE_MAX_CHUNKS
     _chunk_offsets_kernel[(1,)](offsets, schedule, z, num_experts, chunks, B_PAD=b_pad, E_PAD=e_pad, Z_BLOCK=64,
-                                BLOCK_M=block_m, num_warps=8 if b_pad == 64 else 16)
+                                BLOCK_M=block_m, num_warps=8 if b_pad == SCHEDULE_FEW_CHUNKS else 16)
     _chunk_scatter_kernel[(chunks,)](ids, offsets, order, pos, p, C=SCHEDULE_CHUNK, E_PAD=e_pad, num_warps=4)
     return order, pos, schedule
 

@@ -25,7 +25,7 @@ def test_warm_up_tokens_reach_every_side_of_the_dispatch_bounds():
     for k in (8, 4):
         pairs = [triton_moe.PAIRED_MAX_PAIRS, triton_moe.MMA_WIDE_PAIRS - 1, triton_moe.MMA_MAX_PAIRS,
                  triton_moe.SCHEDULE_MAX_PAIRS, triton_moe.EXACT_TALL_ROWS * 128 - 1,
-                 triton_moe.EXACT_WIDE_ROWS * 128 - 1, 64 * triton_moe.SCHEDULE_CHUNK]
+                 triton_moe.EXACT_WIDE_ROWS * 128 - 1, triton_moe.SCHEDULE_FEW_CHUNKS * triton_moe.SCHEDULE_CHUNK]
         bounds = rows + [p // k for p in pairs]
         for region in _regions(bounds, max(core.WARMUP_TOKENS)):
             got = [t for t in core.WARMUP_TOKENS if t in region]
