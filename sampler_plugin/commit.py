@@ -29,6 +29,42 @@ class Target:
     param: torch.Tensor | None = None
 
 
+Region = tuple[int, int, int, int]
+"""Rows [row0, row1) and K range [col0, col1) of a checkpoint tensor's logical [N, K]."""
+
+
+def _region(shard: layers.Shard) -> Region | None:
+    """The part of its checkpoint tensor a shard holds, None when it holds all of it."""
+    (r0, r1, rs), (c0, c1, cs) = shard.src_rows.indices(shard.shape[0]), shard.src_cols.indices(shard.shape[1])
+    if rs != 1 or cs != 1:
+        raise ValueError(f"nvfp4_sampler: {shard.name}: a shard holds a contiguous part of its tensor")
+    return None if (r0, r1, c0, c1) == (0, shard.shape[0], 0, shard.shape[1]) else (r0, r1, c0, c1)
+
+
+def held_regions(targets: Mapping[str, Target]) -> dict[str, Region | None]:
+    """What a rank holds of each update tensor: an NVFP4 shard's "P.weight" -> the `Region` of the
+    checkpoint tensor it holds (None: all of it), a plain tensor's name -> None (held whole). Names
+    absent are not held here (another rank's, or no one's). What per-rank transfer plans are cut by
+    (`server.plan.rank_manifest`)."""
+    return {name if t.shard is None else f"{name}.weight": None if t.shard is None else _region(t.shard)
+            for name, t in targets.items()}
+
+
+def local_targets(targets: Mapping[str, Target]) -> dict[str, Target]:
+    """`targets` with every shard that holds part of its checkpoint tensor made whole over that part:
+    the targets of updates whose NVFP4 tensors arrive already cut to this rank's `held_regions`."""
+    out = {}
+    for name, t in targets.items():
+        region = None if t.shard is None else _region(t.shard)
+        if region is None:
+            out[name] = t
+            continue
+        r0, r1, c0, c1 = region
+        out[name] = dataclasses.replace(t, shard=layers.Shard(t.shard.name, (r1 - r0, c1 - c0), t.shard.rows,
+                                                              t.shard.expert))
+    return out
+
+
 def split_name(name: str) -> tuple[str, str]:
     """"a.b.q_proj.weight_scale" -> ("a.b.q_proj", "weight_scale")."""
     prefix, _, kind = name.rpartition(".")

@@ -191,6 +191,11 @@ class TransferPlan:
             buckets.append(Bucket(off, tuple(range(len(entries) - len(idx), len(entries))), tuple(regions)))
         return cls(manifest, tuple(entries), tuple(buckets), bucket_bytes)
 
+    def for_rank(self, held: Mapping[str, commit.Region | None]) -> TransferPlan:
+        """The plan of what one rank holds (`commit.held_regions`): `rank_manifest`, planned as `build`
+        plans (same bucket size)."""
+        return TransferPlan.build(rank_manifest(self.manifest, held), bucket_bytes=self.bucket_bytes)
+
     # ---- buffers ------------------------------------------------------------------------------
     def fused_views(self, b: int, flat: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """Fused entry name -> {part kind: view of `flat`} for bucket `b` (no copy)."""
@@ -284,6 +289,51 @@ class TransferPlan:
     @classmethod
     def from_dict(cls, d: Mapping) -> TransferPlan:
         return cls.build([TensorEntry.model_validate(e) for e in d["manifest"]], bucket_bytes=int(d["bucket_bytes"]))
+
+
+def rank_manifest(manifest: Iterable[TensorEntry], held: Mapping[str, commit.Region | None]) -> list[TensorEntry]:
+    """The entries of `manifest` a rank holds (`commit.held_regions`), each NVFP4 one cut to the rank's
+    rows and K range. ValueError for a dense (float) entry held in part: an online-quantized shard
+    needs the whole tensor's amax, so a per-rank plan takes sharded layers as NVFP4 triplets."""
+    out = []
+    for e in manifest:
+        if e.name not in held:
+            continue
+        region = held[e.name]
+        if region is None:
+            out.append(e)
+        elif e.layout != "nvfp4":
+            raise ValueError(f"{e.name}: a rank holds part of it, but it is sent as a {e.dtype} tensor (quantized on "
+                             f"arrival with the whole tensor's amax): send its NVFP4 triplet, or broadcast the update")
+        else:
+            r0, r1, c0, c1 = region
+            out.append(e.model_copy(update={"shape": [r1 - r0, c1 - c0]}))
+    return out
+
+
+class RankTensors(Mapping):
+    """Checkpoint-named tensors as one rank holds them (no copy): each NVFP4 triplet's codes and block
+    scales cut to the rank's `held_regions` region, everything else as given. What `TransferPlan.pack`
+    of a `for_rank` plan takes on the sending side."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], held: Mapping[str, commit.Region | None]):
+        self._tensors, self._held = tensors, held
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._tensors[name]
+        for kind, per in (("weight", 2), ("weight_scale", BLOCK)):
+            if name.endswith(f".{kind}") and t.dtype in (torch.uint8, torch.float8_e4m3fn):
+                region = self._held.get(f"{name.removesuffix(kind)}weight")
+                if region is not None:
+                    r0, r1, c0, c1 = region
+                    return t[r0:r1, c0 // per:c1 // per]
+        return t
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def _nbytes(region: str, shape: tuple[int, ...]) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from nvfp4_sampler.sampler_plugin import commit, layers
 from nvfp4_sampler.sampler_format import SamplerConfig
-from nvfp4_sampler.server.plan import TransferPlan
+from nvfp4_sampler.server.plan import RankTensors, TransferPlan, rank_manifest
 from nvfp4_sampler.server.wire import iter_entries
 from tests.test_plan import NKV, NQ, E, H, I, V, moe_update
 
@@ -82,8 +82,6 @@ def count_fast(targets, entries):
 @pytest.mark.parametrize("fused_qkv,tp", [(True, (0, 1)), (False, (0, 1)), (True, (1, 2))])
 def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
     t = moe_update()
-    if tp[1] > 1:                                        # a rank holds half the experts' rows: per-tensor path
-        pass
     ref, got = engine_targets(fused_qkv=fused_qkv, tp=tp), engine_targets(fused_qkv=fused_qkv, tp=tp)
     names = commit.apply_update(ref, t, config=CFG)
     plan, entries = fused_entries(t, bucket_bytes=1 << 14)
@@ -100,6 +98,48 @@ def test_fused_commit_equals_the_per_tensor_path(fused_qkv, tp):
         qkv = next(e for e in entries if e.name.endswith("qkv_proj.weight"))
         parts, _ = commit._fused_plan(got, qkv)
         assert [p.rows for p in parts] == [(s.row0, s.row1) for s in qkv.slots] and len({id(p.storage) for p in parts}) == 3
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_plan_carries_its_shard_only_and_commits_it_whole(rank):
+    """A tensor-parallel rank's plan (`TransferPlan.for_rank` of `commit.held_regions`) holds its rows of
+    w13 and its K range of w2, packed from the full update's slices (`RankTensors`); written into the
+    rank's `local_targets` every NVFP4 entry takes the batched path, and the state equals the per-tensor
+    apply of the full update."""
+    t = moe_update()
+    full = TransferPlan.build(iter_entries(t), bucket_bytes=1 << 14)
+    ref, got = engine_targets(tp=(rank, 2)), engine_targets(tp=(rank, 2))
+    names = commit.apply_update(ref, t, config=CFG)
+    held = commit.held_regions(got)
+    plan = full.for_rank(held)
+    entries = []
+    for b in range(len(plan.buckets)):
+        entries += plan.fused_entries(b, plan.pack(b, RankTensors(t, held), plan.new_buffer(b)))
+    local = commit.local_targets(got)
+    assert commit.apply_fused(local, entries, config=CFG) == names
+    assert_same(state(ref), state(got))
+    assert count_fast(local, entries) == sum(e.layout == "nvfp4" for e in entries) == 2 * 4
+    shapes = {e.name.rsplit(".", 1)[-1]: dict((p.kind, p.shape) for p in e.parts) for e in plan.entries}
+    assert shapes["w13_weight"]["weight"] == (E, I, H // 2) and shapes["w2_weight"]["weight"] == (E, H, I // 4)
+    experts = sum(p.nbytes for e in full.entries if ".experts." in e.name for p in e.parts if p.kind != "weight_scale_2")
+    mine = sum(p.nbytes for e in plan.entries if ".experts." in e.name for p in e.parts if p.kind != "weight_scale_2")
+    assert mine * 2 == experts and plan.nbytes < full.nbytes
+
+
+def test_a_rank_plan_takes_what_the_rank_holds():
+    """Names a rank does not hold leave its plan; a float weight of a layer it holds part of is refused
+    (quantizing a slice would not use the whole tensor's amax)."""
+    t = moe_update()
+    held = commit.held_regions(engine_targets(tp=(1, 2)))
+    del held["model.layers.1.mlp.experts.3.down_proj.weight"]
+    manifest = list(iter_entries(t))
+    names = [e.name for e in rank_manifest(manifest, held)]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" not in names and len(names) == len(manifest) - 1
+    p = "model.layers.0.mlp.experts.1.up_proj"
+    del t[f"{p}.weight_scale"], t[f"{p}.weight_scale_2"]
+    t[f"{p}.weight"] = torch.randn(I, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="experts.1.up_proj.weight: a rank holds part of it"):
+        rank_manifest(list(iter_entries(t)), held)
 
 
 @pytest.mark.parametrize("name,poison", [
