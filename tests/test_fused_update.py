@@ -121,9 +121,9 @@ def test_a_rank_plan_carries_its_shard_only_and_commits_it_whole(rank):
     assert count_fast(local, entries) == sum(e.layout == "nvfp4" for e in entries) == 2 * 4
     shapes = {e.name.rsplit(".", 1)[-1]: dict((p.kind, p.shape) for p in e.parts) for e in plan.entries}
     assert shapes["w13_weight"]["weight"] == (E, I, H // 2) and shapes["w2_weight"]["weight"] == (E, H, I // 4)
-    experts = sum(p.nbytes for e in full.entries if ".experts." in e.name for p in e.parts if p.kind != "weight_scale_2")
-    mine = sum(p.nbytes for e in plan.entries if ".experts." in e.name for p in e.parts if p.kind != "weight_scale_2")
-    assert mine * 2 == experts and plan.nbytes < full.nbytes
+    def expert_bytes(p):                               # codes and block scales of the experts
+        return sum(x.nbytes for e in p.entries if ".experts." in e.name for x in e.parts if x.kind != "weight_scale_2")
+    assert expert_bytes(plan) * 2 == expert_bytes(full) and plan.nbytes < full.nbytes
 
 
 def test_a_rank_plan_takes_what_the_rank_holds():
