@@ -26,73 +26,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(rank: int, world: int, port: int, out: str) -> None:
+BAD = "model.layers.1.mlp.experts.2.down_proj.weight_scale"   # its first block: tensor-parallel rank 0's K range
+
+
+def _run(rank: int, world: int, port: int, out: str, per_rank: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        samplers = world - 1
-        tp = (rank - 1, samplers)
         good, bad = moe_update(seed=1), moe_update(seed=2)
-        x = bad["model.layers.1.mlp.experts.2.down_proj.weight_scale"].clone()
-        x.view(torch.uint8).view(-1)[0] = 0x7F
-        bad["model.layers.1.mlp.experts.2.down_proj.weight_scale"] = x
-        plan = broadcast.share_plan(TransferPlan.build(iter_entries(good), bucket_bytes=1 << 14)
-                                    if rank == 0 else None)
-        if rank == 0:
-            assert broadcast.send_update(plan, good)
-            assert not broadcast.send_update(plan, bad)
-            return
-        targets = engine_targets(tp=tp)
-        broadcast.receive_update(plan, targets, config=CFG)
-        after_good = state(targets)
-        try:
-            broadcast.receive_update(plan, targets, config=CFG)
-            raise AssertionError("a corrupted bucket was applied")
-        except ValueError as e:
-            assert "experts.2.down_proj.weight_scale" in str(e), e
-        after_bad = state(targets)
-        ref = engine_targets(tp=tp)
-        commit.apply_update(ref, good, config=CFG)
-        torch.save({"good": after_good, "bad": after_bad, "ref": state(ref)}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_per_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        tp = (rank - 1, world - 1)
-        good, bad = moe_update(seed=1), moe_update(seed=2)
-        name = "model.layers.1.mlp.experts.2.down_proj.weight_scale"    # rank 1's K range holds its first block
-        bad[name] = bad[name].clone()
-        bad[name].view(torch.uint8)[0, 0] = 0x7F
-        stray = {**good, "model.layers.1.mlp.stray.weight": torch.ones(4)}
-        targets = None if rank == 0 else engine_targets(tp=tp)
+        bad[BAD] = bad[BAD].clone()
+        bad[BAD].view(torch.uint8)[0, 0] = 0x7F
+        targets = None if rank == 0 else engine_targets(tp=(rank - 1, world - 1))
         full = TransferPlan.build(iter_entries(good), bucket_bytes=1 << 14)
-        try:
-            broadcast.share_rank_plans(TransferPlan.build(iter_entries(stray)) if rank == 0 else None, targets)
-            raise AssertionError("a tensor no rank holds was planned")
-        except ValueError as e:
-            assert "model.layers.1.mlp.stray.weight: no sampler rank holds" in str(e), e
-        plans = broadcast.share_rank_plans(full if rank == 0 else None, targets)
+        if per_rank:
+            stray = {**good, "model.layers.1.mlp.stray.weight": torch.ones(4)}
+            try:
+                broadcast.share_rank_plans(TransferPlan.build(iter_entries(stray)) if rank == 0 else None, targets)
+                raise AssertionError("a tensor no rank holds was planned")
+            except ValueError as e:
+                assert "model.layers.1.mlp.stray.weight: no sampler rank holds" in str(e), e
+            plan = broadcast.share_rank_plans(full if rank == 0 else None, targets)
+            send, receive = broadcast.send_rank_updates, broadcast.receive_rank_update
+        else:
+            plan = broadcast.share_plan(full if rank == 0 else None)
+            send, receive = broadcast.send_update, broadcast.receive_update
         if rank == 0:
-            assert sorted(plans) == list(range(1, world))
-            assert broadcast.send_rank_updates(plans, good)
-            assert not broadcast.send_rank_updates(plans, bad)
+            assert not per_rank or sorted(plan) == list(range(1, world))
+            assert send(plan, good)
+            assert not send(plan, bad)
             return
-        received = plans.plan.nbytes
-        broadcast.receive_rank_update(plans, targets, config=CFG)
+        receive(plan, targets, config=CFG)
         after_good = state(targets)
         try:
-            broadcast.receive_rank_update(plans, targets, config=CFG)
+            receive(plan, targets, config=CFG)
             raise AssertionError("a corrupted bucket was applied")
-        except ValueError as e:
-            assert (name if rank == 1 else "another rank refused") in str(e), e
-        ref = engine_targets(tp=tp)
+        except ValueError as e:                  # per rank, the second rank never sees the bad block
+            assert (BAD if rank == 1 or not per_rank else "another rank refused") in str(e), e
+        ref = engine_targets(tp=(rank - 1, world - 1))
         commit.apply_update(ref, good, config=CFG)
-        torch.save({"good": after_good, "bad": state(targets), "ref": state(ref), "received": received,
-                    "whole": full.nbytes}, f"{out}/rank{rank}.pt")
+        torch.save({"good": after_good, "bad": state(targets), "ref": state(ref), "whole": full.nbytes,
+                    "received": (plan.plan if per_rank else plan).nbytes}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -108,12 +81,13 @@ def _check_ranks(out, world: int) -> list[dict]:
 
 def test_broadcast_to_tensor_parallel_samplers(tmp_path):
     world = 3
-    mp.spawn(_run, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    _check_ranks(tmp_path, world)
+    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), False), nprocs=world, join=True)
+    for r in _check_ranks(tmp_path, world):
+        assert r["received"] == r["whole"]
 
 
 def test_per_rank_updates_send_each_tensor_parallel_rank_its_shard(tmp_path):
     world = 3
-    mp.spawn(_run_per_rank, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), True), nprocs=world, join=True)
     for r in _check_ranks(tmp_path, world):
         assert r["received"] < r["whole"], (r["received"], r["whole"])    # experts: half each (test_fused_update)
