@@ -1,15 +1,13 @@
-"""Planned NVFP4 buckets through torch.distributed (`server.broadcast`) on CPU with gloo: rank 0 is
+"""Planned NVFP4 buckets through a `server.broadcast.WeightGroup` on CPU with gloo: rank 0 is
 the trainer, ranks 1.. are samplers (a tensor-parallel pair with its own shards of the experts).
 Broadcast and per-rank plans (each rank sent only its shard, point to point): the result equals the
 direct apply bitwise; a corrupted bucket leaves every rank's old weights; a tensor no rank holds is
 refused on every rank before any update."""
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nvfp4_sampler.sampler_plugin import commit
@@ -30,44 +28,41 @@ BAD = "model.layers.1.mlp.experts.2.down_proj.weight_scale"   # its first block:
 
 
 def _run(rank: int, world: int, port: int, out: str, per_rank: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        good, bad = moe_update(seed=1), moe_update(seed=2)
-        bad[BAD] = bad[BAD].clone()
-        bad[BAD].view(torch.uint8)[0, 0] = 0x7F
-        targets = None if rank == 0 else engine_targets(tp=(rank - 1, world - 1))
-        full = TransferPlan.build(iter_entries(good), bucket_bytes=1 << 14)
-        if per_rank:
-            stray = {**good, "model.layers.1.mlp.stray.weight": torch.ones(4)}
-            try:
-                broadcast.share_rank_plans(TransferPlan.build(iter_entries(stray)) if rank == 0 else None, targets)
-                raise AssertionError("a tensor no rank holds was planned")
-            except ValueError as e:
-                assert "model.layers.1.mlp.stray.weight: no sampler rank holds" in str(e), e
-            plan = broadcast.share_rank_plans(full if rank == 0 else None, targets)
-            send, receive = broadcast.send_rank_updates, broadcast.receive_rank_update
-        else:
-            plan = broadcast.share_plan(full if rank == 0 else None)
-            send, receive = broadcast.send_update, broadcast.receive_update
-        if rank == 0:
-            assert not per_rank or sorted(plan) == list(range(1, world))
-            assert send(plan, good)
-            assert not send(plan, bad)
-            return
-        receive(plan, targets, config=CFG)
-        after_good = state(targets)
+    group = broadcast.WeightGroup("127.0.0.1", port, rank, world, backend="gloo")
+    good, bad = moe_update(seed=1), moe_update(seed=2)
+    bad[BAD] = bad[BAD].clone()
+    bad[BAD].view(torch.uint8)[0, 0] = 0x7F
+    targets = None if rank == 0 else engine_targets(tp=(rank - 1, world - 1))
+    full = TransferPlan.build(iter_entries(good), bucket_bytes=1 << 14)
+    if per_rank:
+        stray = {**good, "model.layers.1.mlp.stray.weight": torch.ones(4)}
         try:
-            receive(plan, targets, config=CFG)
-            raise AssertionError("a corrupted bucket was applied")
-        except ValueError as e:                  # per rank, the second rank never sees the bad block
-            assert (BAD if rank == 1 or not per_rank else "another rank refused") in str(e), e
-        ref = engine_targets(tp=(rank - 1, world - 1))
-        commit.apply_update(ref, good, config=CFG)
-        torch.save({"good": after_good, "bad": state(targets), "ref": state(ref), "whole": full.nbytes,
-                    "received": (plan.plan if per_rank else plan).nbytes}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            broadcast.share_rank_plans(TransferPlan.build(iter_entries(stray)) if rank == 0 else None, targets,
+                                       group)
+            raise AssertionError("a tensor no rank holds was planned")
+        except ValueError as e:
+            assert "model.layers.1.mlp.stray.weight: no sampler rank holds" in str(e), e
+        plan = broadcast.share_rank_plans(full if rank == 0 else None, targets, group)
+        send, receive = broadcast.send_rank_updates, broadcast.receive_rank_update
+    else:
+        plan = broadcast.share_plan(full if rank == 0 else None, group)
+        send, receive = broadcast.send_update, broadcast.receive_update
+    if rank == 0:
+        assert not per_rank or sorted(plan) == list(range(1, world))
+        assert send(plan, good, group)
+        assert not send(plan, bad, group)
+        return
+    receive(plan, targets, group, config=CFG)
+    after_good = state(targets)
+    try:
+        receive(plan, targets, group, config=CFG)
+        raise AssertionError("a corrupted bucket was applied")
+    except ValueError as e:                  # per rank, the second rank never sees the bad block
+        assert (BAD if rank == 1 or not per_rank else "another rank refused") in str(e), e
+    ref = engine_targets(tp=(rank - 1, world - 1))
+    commit.apply_update(ref, good, config=CFG)
+    torch.save({"good": after_good, "bad": state(targets), "ref": state(ref), "whole": full.nbytes,
+                "received": (plan.plan if per_rank else plan).nbytes}, f"{out}/rank{rank}.pt")
 
 
 def _check_ranks(out, world: int) -> list[dict]:

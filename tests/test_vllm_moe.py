@@ -1,4 +1,5 @@
-"""vLLM nvfp4_sampler on a tiny random Qwen3-MoE: routed NVFP4 experts, pre-quantized load, expert reload.
+"""vLLM nvfp4_sampler on a tiny random Qwen3-MoE: routed NVFP4 experts, pre-quantized load, expert reload,
+updates from a trainer through a weight group (`server.broadcast.BroadcastWorkerExtension`, gloo).
 
 Engines (float32, one at a time): the pre-quantized checkpoint of seed 0, then the online (BF16)
 checkpoint of seed 0. Reloads and loads of the same weights are asserted bitwise; the engine against
@@ -63,7 +64,8 @@ def prequant(ckpts, ids):
 
 @pytest.fixture(scope="module")
 def online(ckpts, prequant):
-    llm = make_llm(ckpts["bf16_0"], quantization="nvfp4_sampler", dtype="float32")
+    llm = make_llm(ckpts["bf16_0"], quantization="nvfp4_sampler", dtype="float32",
+                   worker_extension_cls="nvfp4_sampler.server.broadcast.BroadcastWorkerExtension")
     yield llm
     shutdown(llm)
 
@@ -150,3 +152,57 @@ def test_router_reload_stays_bf16(online, ckpts, ids, base):
     assert (lp - _reference_with(ckpts, ids, router=new)).abs().max() < TOL
     update(online, {name: old}, d / "router_back.safetensors", 10)
     assert torch.equal(prompt_logprobs(online, ids), base)
+
+
+def _trainer(port: int, updates: list[dict[str, torch.Tensor]]) -> list[bool]:
+    """The trainer's side (rank 0 of a gloo weight group with the engine's worker): plans, then each update."""
+    from nvfp4_sampler.server import broadcast
+    from nvfp4_sampler.server.plan import TransferPlan
+    from nvfp4_sampler.server.wire import iter_entries
+
+    group = broadcast.WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120)
+    plans = broadcast.share_rank_plans(TransferPlan.build(iter_entries(updates[0]), bucket_bytes=1 << 16), None,
+                                       group)
+    return [broadcast.send_rank_updates(plans, u, group) for u in updates]
+
+
+def test_per_rank_update_through_a_weight_group(online, ckpts, ids, base):
+    """Layer 1's experts of seed 1 (NVFP4 triplets) sent by a trainer thread through a weight group: the
+    worker's state holds exactly those tensors after, a corrupted update is refused by the worker and the
+    trainer alike with nothing written, and sending seed 0's back restores the log-probs bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nvfp4_sampler.kernels.reference import quantize_weight
+    from tests.test_broadcast import _free_port
+
+    d = ckpts["dir"]
+    new = {}
+    for name, w in load_file(ckpts["bf16_1"] / "model.safetensors").items():
+        if name.startswith("model.layers.1.mlp.experts."):
+            q, p = quantize_weight(w), name.removesuffix(".weight")
+            new |= {name: q.codes, f"{p}.weight_scale": q.block_scales, f"{p}.weight_scale_2": q.global_scale}
+    before = state(online, d / "group_before.safetensors")
+    bad = dict(new)
+    bad[f"{EXPERT}.down_proj.weight_scale"] = new[f"{EXPERT}.down_proj.weight_scale"].clone()
+    bad[f"{EXPERT}.down_proj.weight_scale"].view(torch.uint8)[3, 1] = 0x7F
+    old = {n: before[n] for n in new}
+    port = _free_port()
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(_trainer, port, [new, bad, old])
+        assert rpc(online, "nvfp4_join_weight_group", "127.0.0.1", port, 1, 2, "gloo", 120) == 1
+        plan = rpc(online, "nvfp4_share_rank_plans")
+        assert plan["entries"] == 2 and plan["rank"] == 1             # w13 and w2 of layer 1, fused
+        report = rpc(online, "nvfp4_receive_rank_update", 21)
+        after = state(online, d / "group_after.safetensors")
+        lp = prompt_logprobs(online, ids)
+        with pytest.raises(Exception, match=f"{EXPERT}.down_proj.weight_scale"):
+            rpc(online, "nvfp4_receive_rank_update", 22)
+        refused = state(online, d / "group_refused.safetensors")
+        rpc(online, "nvfp4_receive_rank_update", 23)
+        assert sent.result(timeout=120) == [True, False, True]
+    assert report["version"] == 21 and report["tensors"] == len(new) and report["bytes"] == plan["bytes"]
+    for n, t in after.items():
+        assert torch.equal(as_bytes(t), as_bytes(new[n] if n in new else before[n])), n
+        assert torch.equal(as_bytes(refused[n]), as_bytes(t)), n
+    assert not torch.equal(lp, base)
+    assert rpc(online, "nvfp4_weight_version") == 23 and torch.equal(prompt_logprobs(online, ids), base)

@@ -18,8 +18,8 @@ def make_llm(model, **kwargs):
     """A vLLM CPU engine with the reload extension; prefix caching off so reloads never meet stale KV."""
     from vllm import LLM
 
-    return LLM(str(model), max_model_len=256, enforce_eager=True, enable_prefix_caching=False, seed=0,
-               worker_extension_cls=EXTENSION, **kwargs)
+    kwargs.setdefault("worker_extension_cls", EXTENSION)
+    return LLM(str(model), max_model_len=256, enforce_eager=True, enable_prefix_caching=False, seed=0, **kwargs)
 
 
 def shutdown(llm) -> None:

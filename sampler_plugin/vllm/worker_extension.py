@@ -107,34 +107,41 @@ class NVFP4SamplerWorkerExtension:
 
     def _nvfp4_apply(self, tensors: dict[str, torch.Tensor], version: int | str, start: float, *,
                      fused: list[commit.FusedEntry] = ()) -> dict:
+        cache = self.__dict__.setdefault("_nvfp4_fused_plans", {})              # found once per entry (commit)
+
+        def write(targets, config):
+            if fused:
+                return commit.apply_fused(targets, fused, config=config, tensors=tensors, cache=cache)
+            return commit.apply_update(targets, tensors, config=config)
+
+        report = self._nvfp4_write(write, version, start)
+        report["bytes"] = (sum(t.numel() * t.element_size() for t in tensors.values())
+                           + sum(t.numel() * t.element_size() for e in fused for t in e.tensors.values()))
+        if fused:
+            report["entries"] = len(fused)
+            report["per_tensor_entries"] = commit.per_tensor_entries(cache)
+        return report
+
+    def _nvfp4_write(self, write, version: int | str, start: float) -> dict:
+        """Run write(targets, config) -> checkpoint names written (all or nothing, `commit`) on this worker's
+        model, refresh the plain modules it rewrote and set the weight version: {"version", "tensors",
+        "seconds", "steps"} (host seconds by step; the writes' GPU time is not waited for)."""
         model = self.model_runner.model
         quant_config = self.vllm_config.quant_config
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
             raise ValueError("nvfp4_apply_update needs an engine started with quantization='nvfp4_sampler'")
-        config = quant_config.sampler
         t0 = time.perf_counter()
         targets = reload_targets(model)
         t1 = time.perf_counter()
         with torch.no_grad():
-            if fused:
-                cache = self.__dict__.setdefault("_nvfp4_fused_plans", {})     # found once per entry (commit)
-                names = commit.apply_fused(targets, fused, config=config, tensors=tensors, cache=cache)
-            else:
-                names = commit.apply_update(targets, tensors, config=config)
+            names = write(targets, quant_config.sampler)
             t2 = time.perf_counter()
             _refresh_plain_modules(model, {targets[n].param.data_ptr() for n in names
                                            if n in targets and targets[n].param is not None})
         t3 = time.perf_counter()
         self.nvfp4_version = int(version)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        nbytes += sum(t.numel() * t.element_size() for e in fused for t in e.tensors.values())
-        report = {"version": self.nvfp4_version, "tensors": len(names), "bytes": nbytes,
-                  "seconds": t3 - start,      # host seconds by step (the writes' GPU time is not waited for)
-                  "steps": {"targets": t1 - t0, "write": t2 - t1, "refresh": t3 - t2}}
-        if fused:
-            report["entries"] = len(fused)
-            report["per_tensor_entries"] = commit.per_tensor_entries(cache)
-        return report
+        return {"version": self.nvfp4_version, "tensors": len(names), "seconds": t3 - start,
+                "steps": {"targets": t1 - t0, "write": t2 - t1, "refresh": t3 - t2}}
 
     def nvfp4_save_state(self, path: str) -> int:
         """Write every reloadable tensor under its checkpoint name to the safetensors file `path`
