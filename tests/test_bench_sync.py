@@ -1,6 +1,7 @@
 """bench/bench_sync.py's planned mode, the parts that need no GPU: the manifest and plan of the
 Qwen3-30B-A3B shape, the timing table, and a small planned run on the CPU whose sidecar profiles its commits;
-bench/bench_sync_vllm.py's colocated refit of a vLLM CPU engine (one layer)."""
+bench/bench_sync_vllm.py's colocated refit of a vLLM CPU engine (one layer); bench/bench_sync_nccl.py's
+trainer and two tensor-parallel sampler ranks over gloo."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,14 @@ def test_colocated_vllm_bench_runs_on_the_cpu(tmp_path):
     nv = json.loads(out.read_text())["engines"]["nvfp4_sampler"]
     assert nv["colocated_entries"] == 12 and nv["colocated_report"]["version"] == 2    # a first update and one repeat
     assert len(nv["nvfp4 load_weights"]["runs"]) == 2 and "| nvfp4 colocated |" in res.stdout
+
+
+def test_nccl_bench_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "sync_nccl.json"
+    subprocess.run([sys.executable, "bench/bench_sync_nccl.py", "--quick", "--out", str(out)], check=True, timeout=300,
+                   cwd=Path(__file__).resolve().parents[1])
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2]
+    assert ranks[1]["bytes"] == ranks[2]["bytes"] < ranks[0]["whole_bytes"]
+    assert ranks[0]["bytes"] == 2 * ranks[1]["bytes"]               # the trainer sends each rank its own
+    assert all(r[m] > 0 for r in ranks for m in ("broadcast", "per_rank", "roof"))
