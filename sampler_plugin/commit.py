@@ -22,46 +22,69 @@ from . import layers
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A reloadable checkpoint tensor group: an NVFP4 shard (weight + shard) or a plain tensor (param)."""
+    """A reloadable checkpoint tensor group: an NVFP4 shard (weight + shard) or a plain tensor (param).
+    A plain tensor may hold rows `rows` of a checkpoint tensor of shape `shape` in its first rows (an
+    engine's vocab-parallel embedding or head: its vocabulary part, then padding); None: all of it."""
 
     weight: NVFP4Tensor | None = None
     shard: layers.Shard | None = None
     param: torch.Tensor | None = None
+    rows: slice | None = None
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def held(self) -> torch.Tensor:
+        """A plain target's rows that hold checkpoint values (all of `param` unless `rows` is set)."""
+        return self.param if self.rows is None else self.param[:self.rows.stop - self.rows.start]
+
+    def plain_write(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination, source) of a plain checkpoint tensor of `shape`: this rank's rows of it."""
+        return self.held, tensor if self.rows is None else tensor[self.rows]
 
 
-Region = tuple[int, int, int, int]
-"""Rows [row0, row1) and K range [col0, col1) of a checkpoint tensor's logical [N, K]."""
+class Region(NamedTuple):
+    """Rows [row0, row1) and columns (K) [col0, col1) of a checkpoint tensor that a rank holds. quantized: an
+    NVFP4 shard's part (sent as a float weight the tensor cannot be cut: its quantization takes the whole
+    tensor's amax); else a plain tensor's rows (all its columns)."""
+
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    quantized: bool = True
 
 
-def _region(shard: layers.Shard) -> Region | None:
-    """The part of its checkpoint tensor a shard holds, None when it holds all of it."""
+def _region(t: Target) -> Region | None:
+    """The part of its checkpoint tensor a target holds, None when it holds all of it."""
+    if t.shard is None:
+        return None if t.rows is None else Region(t.rows.start, t.rows.stop, 0, t.shape[1], quantized=False)
+    shard = t.shard
     (r0, r1, rs), (c0, c1, cs) = shard.src_rows.indices(shard.shape[0]), shard.src_cols.indices(shard.shape[1])
     if rs != 1 or cs != 1:
         raise ValueError(f"nvfp4_sampler: {shard.name}: a shard holds a contiguous part of its tensor")
-    return None if (r0, r1, c0, c1) == (0, shard.shape[0], 0, shard.shape[1]) else (r0, r1, c0, c1)
+    return None if (r0, r1, c0, c1) == (0, shard.shape[0], 0, shard.shape[1]) else Region(r0, r1, c0, c1)
 
 
 def held_regions(targets: Mapping[str, Target]) -> dict[str, Region | None]:
-    """What a rank holds of each update tensor: an NVFP4 shard's "P.weight" -> the `Region` of the
-    checkpoint tensor it holds (None: all of it), a plain tensor's name -> None (held whole). Names
-    absent are not held here (another rank's, or no one's). What per-rank transfer plans are cut by
-    (`server.plan.rank_manifest`)."""
-    return {name if t.shard is None else f"{name}.weight": None if t.shard is None else _region(t.shard)
-            for name, t in targets.items()}
+    """What a rank holds of each update tensor: an NVFP4 shard's "P.weight" or a plain tensor's name ->
+    the `Region` of the checkpoint tensor it holds (None: all of it). Names absent are not held here
+    (another rank's, or no one's). What per-rank transfer plans are cut by (`server.plan.rank_manifest`)."""
+    return {name if t.shard is None else f"{name}.weight": _region(t) for name, t in targets.items()}
 
 
 def local_targets(targets: Mapping[str, Target]) -> dict[str, Target]:
-    """`targets` with every shard that holds part of its checkpoint tensor made whole over that part:
-    the targets of updates whose NVFP4 tensors arrive already cut to this rank's `held_regions`."""
+    """`targets` with every target that holds part of its checkpoint tensor made whole over that part:
+    the targets of updates whose tensors arrive already cut to this rank's `held_regions`."""
     out = {}
     for name, t in targets.items():
-        region = None if t.shard is None else _region(t.shard)
+        region = _region(t)
         if region is None:
             out[name] = t
-            continue
-        r0, r1, c0, c1 = region
-        out[name] = dataclasses.replace(t, shard=layers.Shard(t.shard.name, (r1 - r0, c1 - c0), t.shard.rows,
-                                                              t.shard.expert))
+        elif t.shard is None:
+            out[name] = Target(param=t.held)
+        else:
+            out[name] = dataclasses.replace(t, shard=layers.Shard(
+                t.shard.name, (region.row1 - region.row0, region.col1 - region.col0), t.shard.rows, t.shard.expert))
     return out
 
 
@@ -154,11 +177,12 @@ def _check_update(targets: Mapping[str, Target], tensors: Mapping[str, torch.Ten
         tensor = tensors[name]
         target = targets.get(name)
         if target is not None and target.param is not None:
-            if tuple(tensor.shape) != tuple(target.param.shape) or not tensor.dtype.is_floating_point:
+            shape = target.shape or tuple(target.param.shape)
+            if tuple(tensor.shape) != shape or not tensor.dtype.is_floating_point:
                 raise ValueError(f"nvfp4_sampler: {name}: shape {tuple(tensor.shape)} dtype {tensor.dtype} does not "
-                                 f"match the model's {tuple(target.param.shape)} {target.param.dtype}")
+                                 f"match the model's {shape} {target.param.dtype}")
             finite.append((name, tensor))
-            plain.append((target.param, tensor))
+            plain.append(target.plain_write(tensor))
             continue
         prefix, kind = split_name(name)
         target = targets.get(prefix)

@@ -375,11 +375,13 @@ def shard_of(loader, *args, **kwargs) -> layers.Shard:
     return layer.quant_method.locate(layer, *args, **kwargs)[1]
 
 
-def reload_targets(model: torch.nn.Module) -> dict[str, commit.Target]:
+def reload_targets(model: torch.nn.Module, plain_rows=None) -> dict[str, commit.Target]:
     """Checkpoint name -> Target for every reloadable tensor of an engine's model.
 
     NVFP4 layers are keyed by checkpoint module prefix ("model.layers.0.self_attn.k_proj",
     "model.layers.0.mlp.experts.3.up_proj"); plain tensors by full name ("model.norm.weight").
+    plain_rows(module, parameter name) -> (rows, checkpoint rows) or None: the engine adapter's word on
+    which rows of its checkpoint tensor a plain parameter holds (a vocab-parallel embedding's part).
     """
     targets: dict[str, commit.Target] = {}
     for module in model.modules():
@@ -387,5 +389,8 @@ def reload_targets(model: torch.nn.Module) -> dict[str, commit.Target]:
             targets.update(module.quant_method.targets(module))
     for name, p in model.named_parameters(remove_duplicate=False):
         if not hasattr(p, "nvfp4_kind") and p.numel() > 0:
-            targets[name] = commit.Target(param=p.data)
+            owner, _, pname = name.rpartition(".")
+            part = plain_rows(model.get_submodule(owner), pname) if plain_rows else None
+            targets[name] = (commit.Target(param=p.data) if part is None else
+                             commit.Target(param=p.data, rows=part[0], shape=(part[1], *p.shape[1:])))
     return targets

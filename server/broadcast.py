@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from nvfp4_sampler.sampler_plugin import commit
-from nvfp4_sampler.sampler_plugin.core import reload_targets
 from nvfp4_sampler.sampler_plugin.vllm.worker_extension import NVFP4SamplerWorkerExtension
 
 from .plan import RankTensors, TransferPlan
@@ -225,7 +224,7 @@ class BroadcastWorkerExtension(NVFP4SamplerWorkerExtension):
 
     def nvfp4_share_rank_plans(self) -> dict:
         """This worker's side of `share_rank_plans`: {"rank", "entries", "buckets", "bytes"} of its plan."""
-        self._nvfp4_rank_plan = share_rank_plans(None, reload_targets(self.model_runner.model), self._group())
+        self._nvfp4_rank_plan = share_rank_plans(None, self._nvfp4_targets(), self._group())
         plan = self._nvfp4_rank_plan.plan
         return {"rank": self._nvfp4_group.rank, "entries": len(plan.entries), "buckets": len(plan.buckets),
                 "bytes": plan.nbytes}

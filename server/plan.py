@@ -292,22 +292,22 @@ class TransferPlan:
 
 
 def rank_manifest(manifest: Iterable[TensorEntry], held: Mapping[str, commit.Region | None]) -> list[TensorEntry]:
-    """The entries of `manifest` a rank holds (`commit.held_regions`), each NVFP4 one cut to the rank's
-    rows and K range. ValueError for a dense (float) entry held in part: an online-quantized shard
-    needs the whole tensor's amax, so a per-rank plan takes sharded layers as NVFP4 triplets."""
+    """The entries of `manifest` a rank holds (`commit.held_regions`), each cut to the rank's rows and K
+    range (NVFP4 shards) or rows (plain vocab-parallel tensors). ValueError for a float entry of an NVFP4
+    shard held in part: an online-quantized shard needs the whole tensor's amax, so a per-rank plan takes
+    sharded layers as NVFP4 triplets."""
     out = []
     for e in manifest:
         if e.name not in held:
             continue
-        region = held[e.name]
-        if region is None:
+        r = held[e.name]
+        if r is None:
             out.append(e)
-        elif e.layout != "nvfp4":
+        elif e.layout != "nvfp4" and r.quantized:
             raise ValueError(f"{e.name}: a rank holds part of it, but it is sent as a {e.dtype} tensor (quantized on "
                              f"arrival with the whole tensor's amax): send its NVFP4 triplet, or broadcast the update")
         else:
-            r0, r1, c0, c1 = region
-            out.append(e.model_copy(update={"shape": [r1 - r0, c1 - c0]}))
+            out.append(e.model_copy(update={"shape": [r.row1 - r.row0, r.col1 - r.col0, *e.shape[2:]]}))
     return out
 
 
@@ -321,12 +321,14 @@ class RankTensors(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
+        r = self._held.get(name)
+        if r is not None and not r.quantized:                # a plain tensor's rows
+            return t[r.row0:r.row1, r.col0:r.col1]
         for kind, per in (("weight", 2), ("weight_scale", BLOCK)):
             if name.endswith(f".{kind}") and t.dtype in (torch.uint8, torch.float8_e4m3fn):
-                region = self._held.get(f"{name.removesuffix(kind)}weight")
-                if region is not None:
-                    r0, r1, c0, c1 = region
-                    return t[r0:r1, c0 // per:c1 // per]
+                r = self._held.get(f"{name.removesuffix(kind)}weight")
+                if r is not None:
+                    return t[r.row0:r.row1, r.col0 // per:r.col1 // per]
         return t
 
     def __iter__(self):

@@ -17,11 +17,15 @@ CFG = SamplerConfig()
 
 def engine_targets(layers_n: int = 2, *, fused_qkv: bool = True, tp: tuple[int, int] = (0, 1)):
     """Targets laid out as vLLM holds the tiny MoE of `moe_update`: qkv fused (or q/k/v apart, as the
-    embedded engine holds them), experts stacked; `tp` = (rank, size) shards the experts' rows."""
+    embedded engine holds them), experts stacked; `tp` = (rank, size) shards the experts' rows and, as a
+    vocab-parallel embedding, the embedding's rows (its part first, then padding rows)."""
     rank, size = tp
-    t: dict[str, commit.Target] = {
-        "model.embed_tokens.weight": commit.Target(param=torch.zeros(V, H, dtype=torch.bfloat16)),
-        "model.norm.weight": commit.Target(param=torch.zeros(H))}
+    part = V // size
+    embed = (commit.Target(param=torch.zeros(V, H, dtype=torch.bfloat16)) if size == 1 else
+             commit.Target(param=torch.zeros(part + 14, H, dtype=torch.bfloat16),
+                           rows=slice(rank * part, (rank + 1) * part), shape=(V, H)))
+    t: dict[str, commit.Target] = {"model.embed_tokens.weight": embed,
+                                   "model.norm.weight": commit.Target(param=torch.zeros(H))}
     for L in range(layers_n):
         p = f"model.layers.{L}"
         if fused_qkv:
@@ -121,6 +125,10 @@ def test_a_rank_plan_carries_its_shard_only_and_commits_it_whole(rank):
     assert count_fast(local, entries) == sum(e.layout == "nvfp4" for e in entries) == 2 * 4
     shapes = {e.name.rsplit(".", 1)[-1]: dict((p.kind, p.shape) for p in e.parts) for e in plan.entries}
     assert shapes["w13_weight"]["weight"] == (E, I, H // 2) and shapes["w2_weight"]["weight"] == (E, H, I // 4)
+    embed = got["model.embed_tokens.weight"].param
+    assert next(e for e in plan.entries if e.name == "model.embed_tokens.weight").parts[0].shape == (V // 2, H)
+    assert torch.equal(embed[:V // 2], t["model.embed_tokens.weight"][rank * V // 2:(rank + 1) * V // 2])
+    assert not embed[V // 2:].any()                                     # the padding rows stay
     def expert_bytes(p):                               # codes and block scales of the experts
         return sum(x.nbytes for e in p.entries if ".experts." in e.name for x in e.parts if x.kind != "weight_scale_2")
     assert expert_bytes(plan) * 2 == expert_bytes(full) and plan.nbytes < full.nbytes

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from nvfp4_sampler.testing import models
 from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
-                                reference_logprobs, reference_model, shutdown, token_ids)
+                                reference_logprobs, reference_model, seed_checkpoints, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 # float32 engine vs float32 torch forward: same codes unless an activation sits within float32
@@ -32,12 +32,7 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dense")
-    paths = {"bf16_0": models.tiny_qwen3(d / "bf16_0", seed=0), "bf16_1": models.tiny_qwen3(d / "bf16_1", seed=1)}
-    paths["pq_0"] = models.write_prequantized(paths["bf16_0"], d / "pq_0")
-    paths["pq_1"] = models.write_prequantized(paths["bf16_1"], d / "pq_1")
-    paths["dir"] = d
-    return paths
+    return seed_checkpoints(tmp_path_factory.mktemp("dense"), models.tiny_qwen3)
 
 
 @pytest.fixture(scope="module")

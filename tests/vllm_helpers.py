@@ -6,12 +6,22 @@ import os
 
 import torch
 
+from nvfp4_sampler.testing import models
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")        # GiB of KV cache per CPU engine
 
 EXTENSION = "nvfp4_sampler.sampler_plugin.vllm.worker_extension.NVFP4SamplerWorkerExtension"
 PROMPTS = ["The capital of France is Paris. The quick brown fox jumps over the lazy dog.",
            "def add(a, b):\n    return a + b\n",
            "Reinforcement learning trains a policy on samples drawn from the policy itself."]
+
+
+def seed_checkpoints(folder, build) -> dict:
+    """Seeds 0 and 1 of a tiny model (`build(path, seed=)`) in BF16 ("bf16_0", "bf16_1") and pre-quantized
+    ("pq_0", "pq_1") under `folder` ("dir")."""
+    paths = {f"bf16_{s}": build(folder / f"bf16_{s}", seed=s) for s in (0, 1)}
+    paths |= {f"pq_{s}": models.write_prequantized(paths[f"bf16_{s}"], folder / f"pq_{s}") for s in (0, 1)}
+    return paths | {"dir": folder}
 
 
 def make_llm(model, **kwargs):

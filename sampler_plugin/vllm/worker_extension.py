@@ -62,6 +62,17 @@ def _fused_entries(rows: list, views: dict[str, torch.Tensor]) -> tuple[dict[str
     return rest, entries
 
 
+def vocab_rows(module: torch.nn.Module, pname: str) -> tuple[slice, int] | None:
+    """(rows, checkpoint rows) of a vocab-parallel embedding's or head's weight on this rank (`reload_targets`'
+    plain_rows): its part of the vocabulary, held in its first rows before the padding; None when it holds the
+    checkpoint tensor as it is."""
+    part = getattr(module, "shard_indices", None)
+    if part is None or pname != "weight":
+        return None
+    rows, full = slice(part.org_vocab_start_index, part.org_vocab_end_index), module.org_vocab_size
+    return None if (rows.start, rows.stop) == (0, full) and module.weight.shape[0] == full else (rows, full)
+
+
 class NVFP4SamplerWorkerExtension:
     """Mixed into vLLM's worker class; methods run on every worker via `collective_rpc`."""
 
@@ -131,7 +142,7 @@ class NVFP4SamplerWorkerExtension:
         if getattr(quant_config, "get_name", lambda: None)() != "nvfp4_sampler":
             raise ValueError("nvfp4_apply_update needs an engine started with quantization='nvfp4_sampler'")
         t0 = time.perf_counter()
-        targets = reload_targets(model)
+        targets = self._nvfp4_targets()
         t1 = time.perf_counter()
         with torch.no_grad():
             names = write(targets, quant_config.sampler)
@@ -143,17 +154,20 @@ class NVFP4SamplerWorkerExtension:
         return {"version": self.nvfp4_version, "tensors": len(names), "seconds": t3 - start,
                 "steps": {"targets": t1 - t0, "write": t2 - t1, "refresh": t3 - t2}}
 
+    def _nvfp4_targets(self) -> dict[str, commit.Target]:
+        return reload_targets(self.model_runner.model, vocab_rows)
+
     def nvfp4_save_state(self, path: str) -> int:
         """Write every reloadable tensor under its checkpoint name to the safetensors file `path`
-        (NVFP4 triplets in the sampler checkpoint layout; rank-local with tensor parallelism).
-        Returns the number of tensors written."""
+        (NVFP4 triplets in the sampler checkpoint layout; rank-local with tensor parallelism: this rank's
+        part of each, a "{rank}" in `path` taking the worker's rank). Returns the number of tensors written."""
         out: dict[str, torch.Tensor] = {}
-        for name, target in reload_targets(self.model_runner.model).items():
+        for name, target in self._nvfp4_targets().items():
             if target.param is not None:
-                out[name] = target.param.clone()
+                out[name] = target.held.clone()
             else:
                 out.update({f"{name}.{k}": t for k, t in layers.read(target.weight, target.shard).items()})
-        save_file(out, path)
+        save_file(out, path.replace("{rank}", str(self.rank)))
         return len(out)
 
     def nvfp4_memory(self) -> dict:
