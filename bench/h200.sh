@@ -59,7 +59,9 @@ step() {   # step NAME: its timeout (s) and command
     bench_sync_vllm_24) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 24 --repeats 2
                               --out $OUT/bench_sync_vllm_24.json" ;;   # fits an 80 GB GPU
     # the whole model: the BF16 engine's process holds it twice (~123 GB): an H200 only (needs_h200)
-    # trainer on GPU 0, one tensor-parallel engine's ranks on GPUs 1.. (a multi-GPU kind): broadcast vs per-rank
+    # a multi-GPU kind: the weight group over NCCL (tests), then trainer on GPU 0 and one tensor-parallel
+    # engine's ranks on GPUs 1..: broadcast vs per-rank
+    broadcast_nccl) limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_broadcast.py" ;;
     sync_nccl) limit=575; cmd="python3 bench/bench_sync_nccl.py --tp 1 --layers 48 --out $OUT/sync_nccl_tp1.json" ;;
     sync_nccl_tp2) limit=575; cmd="python3 bench/bench_sync_nccl.py --tp 2 --layers 48 --out $OUT/sync_nccl_tp2.json" ;;
     bench_sync_vllm_whole) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 48 --repeats 2

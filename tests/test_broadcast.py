@@ -5,8 +5,10 @@ direct apply bitwise; a corrupted bucket leaves every rank's old weights; a tens
 refused on every rank before any update."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -27,12 +29,26 @@ def _free_port() -> int:
 BAD = "model.layers.1.mlp.experts.2.down_proj.weight_scale"   # its first block: tensor-parallel rank 0's K range
 
 
-def _run(rank: int, world: int, port: int, out: str, per_rank: bool) -> None:
-    group = broadcast.WeightGroup("127.0.0.1", port, rank, world, backend="gloo")
+def _on(targets: dict[str, commit.Target], device: torch.device) -> dict[str, commit.Target]:
+    """The targets with their storage on `device` (shared storage stays shared)."""
+    moved = {}
+
+    def weight(w):
+        return moved.setdefault(id(w), w.to(device)) if w is not None else None
+    return {n: dataclasses.replace(t, weight=weight(t.weight), param=None if t.param is None else t.param.to(device))
+            for n, t in targets.items()}
+
+
+def _run(rank: int, world: int, port: int, out: str, per_rank: bool, backend: str = "gloo") -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = broadcast.WeightGroup("127.0.0.1", port, rank, world, backend=backend)
     good, bad = moe_update(seed=1), moe_update(seed=2)
     bad[BAD] = bad[BAD].clone()
     bad[BAD].view(torch.uint8)[0, 0] = 0x7F
-    targets = None if rank == 0 else engine_targets(tp=(rank - 1, world - 1))
+    good, bad = ({n: t.to(device) for n, t in u.items()} for u in (good, bad))
+    targets = None if rank == 0 else _on(engine_targets(tp=(rank - 1, world - 1)), device)
     full = TransferPlan.build(iter_entries(good), bucket_bytes=1 << 14)
     if per_rank:
         stray = {**good, "model.layers.1.mlp.stray.weight": torch.ones(4)}
@@ -52,16 +68,18 @@ def _run(rank: int, world: int, port: int, out: str, per_rank: bool) -> None:
         assert send(plan, good, group)
         assert not send(plan, bad, group)
         return
-    receive(plan, targets, group, config=CFG)
+    receive(plan, targets, group, config=CFG, device=device)
     after_good = state(targets)
     try:
-        receive(plan, targets, group, config=CFG)
+        receive(plan, targets, group, config=CFG, device=device)
         raise AssertionError("a corrupted bucket was applied")
     except ValueError as e:                  # per rank, the second rank never sees the bad block
         assert (BAD if rank == 1 or not per_rank else "another rank refused") in str(e), e
-    ref = engine_targets(tp=(rank - 1, world - 1))
+    ref = _on(engine_targets(tp=(rank - 1, world - 1)), device)
     commit.apply_update(ref, good, config=CFG)
-    torch.save({"good": after_good, "bad": state(targets), "ref": state(ref), "whole": full.nbytes,
+    cpu = {k: {n: t.cpu() for n, t in v.items()} for k, v in (("good", after_good), ("bad", state(targets)),
+                                                               ("ref", state(ref)))}
+    torch.save({**cpu, "whole": full.nbytes,
                 "received": (plan.plan if per_rank else plan).nbytes}, f"{out}/rank{rank}.pt")
 
 
@@ -86,3 +104,15 @@ def test_per_rank_updates_send_each_tensor_parallel_rank_its_shard(tmp_path):
     mp.spawn(_run, args=(world, _free_port(), str(tmp_path), True), nprocs=world, join=True)
     for r in _check_ranks(tmp_path, world):
         assert r["received"] < r["whole"], (r["received"], r["whole"])    # experts: half each (test_fused_update)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_rank", [False, True], ids=["broadcast", "per-rank"])
+def test_nccl_updates_between_gpus(tmp_path, per_rank):
+    """The same over NCCL, a rank a GPU: the trainer and a sampler (two GPUs), or two tensor-parallel samplers
+    (three or more). `pytest -m gpu tests/test_broadcast.py` on a multi-GPU machine."""
+    world = min(torch.cuda.device_count(), 3)
+    if world < 2:
+        pytest.skip("needs two GPUs or more")
+    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), per_rank, "nccl"), nprocs=world, join=True)
+    _check_ranks(tmp_path, world)
