@@ -47,18 +47,20 @@ class WeightGroup:
                  timeout_s: float = 600.0):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a weight group of {size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise ValueError("backend 'nccl': this torch build has no NCCL; 'gloo' moves CPU tensors")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size = rank, size
         self.store = dist.PrefixStore("nvfp4_sampler_weights", dist.TCPStore(host, port, size, rank == 0,
                                                                              timeout=timeout))
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(self.store, rank, size, timeout)
-        elif backend == "nccl":
+        else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(self.store, rank, size, options)
-        else:
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self._calls = 0
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

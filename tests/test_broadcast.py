@@ -106,6 +106,16 @@ def test_per_rank_updates_send_each_tensor_parallel_rank_its_shard(tmp_path):
         assert r["received"] < r["whole"], (r["received"], r["whole"])    # experts: half each (test_fused_update)
 
 
+def test_weight_group_refuses_what_it_cannot_run():
+    for kwargs, message in (({"rank": 2, "size": 2}, "rank 2 is not in a weight group of 2"),
+                            ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+                            ({"backend": "nccl"}, "this torch build has no NCCL")):
+        if kwargs.get("backend") == "nccl" and torch.distributed.is_nccl_available():
+            continue
+        with pytest.raises(ValueError, match=message):
+            broadcast.WeightGroup("127.0.0.1", _free_port(), **{"rank": 0, "size": 2, **kwargs})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_rank", [False, True], ids=["broadcast", "per-rank"])
 def test_nccl_updates_between_gpus(tmp_path, per_rank):
