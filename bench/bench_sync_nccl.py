@@ -62,12 +62,18 @@ def update_tensors(manifest: list[TensorEntry], device: torch.device) -> dict[st
 
 
 def sampler_targets(cfg: dict, tp_rank: int, tp: int, device: torch.device) -> dict[str, commit.Target]:
-    """One tensor-parallel rank's storage of `cfg`, as vLLM holds it (fused qkv, stacked experts)."""
+    """One tensor-parallel rank's storage of `cfg`, as vLLM holds it (fused qkv, stacked experts, the embedding and
+    head vocab-parallel)."""
     h, hd, e, inter = cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"], cfg["moe_intermediate_size"]
     q, kv = cfg["num_attention_heads"] * hd // tp, cfg["num_key_value_heads"] * hd // tp
+    vocab = -(-cfg["vocab_size"] // tp)
     t: dict[str, commit.Target] = {}
     for name, layout, _, shape in manifests.qwen3_moe_nvfp4_manifest(cfg):
-        if layout == "dense":
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = slice(tp_rank * vocab, min((tp_rank + 1) * vocab, shape[0]))
+            t[name] = commit.Target(param=torch.empty((vocab, h), dtype=torch.bfloat16, device=device), rows=rows,
+                                    shape=tuple(shape))
+        elif layout == "dense":
             t[name] = commit.Target(param=torch.empty(shape, dtype=torch.bfloat16, device=device))
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
