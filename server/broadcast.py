@@ -52,7 +52,7 @@ class WeightGroup:
         if backend == "nccl" and not dist.is_nccl_available():
             raise ValueError("backend 'nccl': this torch build has no NCCL; 'gloo' moves CPU tensors")
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.backend = rank, size, backend
         self.store = dist.PrefixStore("nvfp4_sampler_weights", dist.TCPStore(host, port, size, rank == 0,
                                                                              timeout=timeout))
         if backend == "gloo":
@@ -232,13 +232,15 @@ class BroadcastWorkerExtension(NVFP4SamplerWorkerExtension):
                 "bytes": plan.nbytes}
 
     def nvfp4_receive_rank_update(self, version: int | str) -> dict:
-        """Receive this worker's shard of an update (`receive_rank_update`) and set the weight version; the
-        report of `nvfp4_apply_update` with "bytes" this worker received."""
+        """Receive this worker's shard of an update (`receive_rank_update`: on the worker's device over NCCL, in
+        host memory over gloo) and set the weight version; the report of `nvfp4_apply_update` with "bytes" this
+        worker received."""
         group, plan = self._group(), getattr(self, "_nvfp4_rank_plan", None)
         if plan is None:
             raise ValueError("nvfp4_sampler: nvfp4_receive_rank_update before nvfp4_share_rank_plans")
+        device = "cpu" if group.backend == "gloo" else self.device
         report = self._nvfp4_write(lambda targets, config: receive_rank_update(
-            plan, targets, group, config=config, device=self.device), version, time.perf_counter())
+            plan, targets, group, config=config, device=device), version, time.perf_counter())
         return {**report, "bytes": plan.plan.nbytes}
 
     def _group(self) -> WeightGroup:

@@ -6,7 +6,8 @@ up to four at once on the one GPU. Random Qwen3-shaped BF16 checkpoints built on
 online quantization. Per kind: an engine on seed 0 that a trainer process on the same GPU updates
 through vLLM's `ipc` backend (BF16, then NVFP4 triplets: 0.28x the bytes), that reloads through
 collective_rpc("reload_weights") and that `server.colocated.ColocatedRefit` refits from BF16 tensors on
-the same GPU, all after CUDA-graph capture; and a fresh engine on seed 1. Asserted:
+the same GPU, and that a trainer thread updates through a weight group (`server.broadcast`, gloo, NVFP4
+triplets), all after CUDA-graph capture; and a fresh engine on seed 1. Asserted:
   - after each full update: prompt log-probs, greedy tokens and decode log-probs (replayed in the
     captured graphs) equal the fresh seed-1 engine bitwise; restoring gives the start results bitwise
   - one shard of the fused qkv (q_proj only) and one expert: equal to the same update through the
@@ -27,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 
 KINDS = {"dense": ("dense-small", 4), "moe": ("moe-small", 2)}
 MODE = "graphs"            # CUDA graphs without torch.compile (FULL_DECODE_ONLY): decode replays graphs
-FULL = ("ipc_bf16", "ipc_nvfp4", "rpc_bf16", "colocated")
+FULL = ("ipc_bf16", "ipc_nvfp4", "rpc_bf16", "colocated", "group")
 
 
 @pytest.fixture(scope="module")

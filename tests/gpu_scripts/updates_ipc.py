@@ -18,6 +18,8 @@ start_weight_update -> update_weights -> finish_weight_update. Steps, each follo
   colocated / colocated_restored    `server.colocated.ColocatedRefit` from the BF16 tensors of --new, then
                                     --old, on this GPU (no trainer process: colocated RL holds both here);
                                     NVFP4 entries written tensor by tensor recorded in "per_tensor_entries"
+  group / group_restored            NVFP4 triplets of --new, then --old, from a trainer thread through a weight group
+                                    (`server.broadcast`, gloo: host buffers; the worker's per-rank plan)
   ipc_shard / ext_shard             only q_proj of layer 0 (NVFP4 triplet of --new): one shard of the fused
                                     qkv, through ipc, then restored and sent through our worker extension
   ipc_expert / ext_expert           (MoE) one expert of layer 0 of --new (BF16), the same way
@@ -126,6 +128,44 @@ def push(llm, conn, path: str, *, nvfp4: bool, prefix: str = "") -> int:
     return msg[1]
 
 
+GROUP_EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
+
+
+def _group_updates(llm, updates: list[dict]):
+    """Rank 0 of a gloo weight group in a thread (the trainer), the engine's worker rank 1, per-rank plans shared;
+    returns send(): the next update through the group (after the last, the trainer's results checked)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nvfp4_sampler.server import broadcast
+    from nvfp4_sampler.server.plan import TransferPlan
+    from nvfp4_sampler.server.wire import iter_entries
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def trainer():
+        group = broadcast.WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=300)
+        plans = broadcast.share_rank_plans(TransferPlan.build(iter_entries(updates[0])), None, group)
+        return [broadcast.send_rank_updates(plans, u, group) for u in updates]
+
+    pool = ThreadPoolExecutor(1)
+    sent = pool.submit(trainer)
+    llm.collective_rpc("nvfp4_join_weight_group", args=("127.0.0.1", port, 1, 2, "gloo", 300))
+    llm.collective_rpc("nvfp4_share_rank_plans")
+    versions = iter(range(10, 10 + len(updates)))
+
+    def send() -> None:
+        version = next(versions)
+        llm.collective_rpc("nvfp4_receive_rank_update", args=(version,))
+        if version == 9 + len(updates):
+            pool.shutdown()
+            if sent.result() != [True] * len(updates):
+                raise RuntimeError(f"the trainer's sends: {sent.result()}")
+    return send
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -136,7 +176,7 @@ def main() -> None:
     args = ap.parse_args()
     out: dict = {"mode": args.mode, "model": args.model, "errors": {}, "bytes": {}}
 
-    from tests.gpu_scripts.vllm_engine import EXTENSION, MODES, observe, recorder
+    from tests.gpu_scripts.vllm_engine import MODES, observe, recorder
     save, step = recorder(args.out, out)
 
     import multiprocessing
@@ -148,7 +188,8 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(args.model, quantization="nvfp4_sampler", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
               gpu_memory_utilization=0.08, kv_cache_memory_bytes=1 << 30, attention_backend="TRITON_ATTN", seed=0,
-              enable_prefix_caching=False, worker_extension_cls=EXTENSION, weight_transfer_config={"backend": "ipc"},
+              enable_prefix_caching=False, worker_extension_cls=GROUP_EXTENSION,
+              weight_transfer_config={"backend": "ipc"},
               **MODES[args.mode])
     out["start_seconds"] = round(time.time() - t0, 1)
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -195,6 +236,17 @@ def main() -> None:
 
         step("colocated", lambda: colocated(args.new, 2))
         step("colocated_restored", lambda: colocated(args.old, 3))
+        sender = {}
+
+        def group():                   # the group is joined in the first step
+            if "send" not in sender:
+                sender["send"] = _group_updates(llm, [{n: t.cpu() for n, t in trainer_tensors(p, nvfp4=True)[0].items()}
+                                                      for p in (args.new, args.old)])
+            sender["send"]()
+            return observe(llm)
+
+        step("group", group)
+        step("group_restored", group)
         partial = [("shard", f"{SHARD}.", True)]
         if json.loads((Path(args.old) / "config.json").read_text())["model_type"].endswith("_moe"):
             partial.append(("expert", f"{EXPERT}.", False))
