@@ -83,7 +83,7 @@ step() {   # step NAME: its timeout (s) and command
     bench_linear_small) limit=330; cmd="python3 bench/bench_kernels.py --quick --no-sweep --only linear --json
                               $OUT/bench_linear_small.json --shapes 1.7B_qkv,1.7B_o,1.7B_gate_up,1.7B_down,8B_gate_up" ;;
     vllm)      limit=480; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm.py" ;;
-    updates)   limit=240; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
+    updates)   limit=300; cmd="python3 -m pytest -q -s -m gpu tests/test_gpu_vllm_updates.py" ;;
     strict)    limit=300; cmd="python3 -m pytest -q -s -rA -m gpu tests/test_gpu_vllm_strict.py" ;;
     strict_wgmma) limit=300; cmd="env NVFP4_SAMPLER_MMA=wgmma python3 -m pytest -q -s -rA -m gpu
                               tests/test_gpu_vllm_strict.py" ;;
