@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
@@ -30,6 +29,7 @@ from nvfp4_sampler.sampler_format import SamplerConfig
 from nvfp4_sampler.sampler_plugin import commit, layers
 from nvfp4_sampler.server import broadcast
 from nvfp4_sampler.server.plan import TransferPlan
+from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.server.protocol import TensorEntry
 from nvfp4_sampler.testing import manifests
 
@@ -142,12 +142,6 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     queue.put(result)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, help="sampler ranks (one tensor-parallel engine), GPUs 1 .. tp")
@@ -166,7 +160,7 @@ def main() -> int:
         raise SystemExit(f"{world} GPUs needed (trainer + {args.tp} samplers), {torch.cuda.device_count()} here")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

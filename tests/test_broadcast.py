@@ -6,7 +6,6 @@ refused on every rank before any update."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -15,15 +14,10 @@ import torch.multiprocessing as mp
 from nvfp4_sampler.sampler_plugin import commit
 from nvfp4_sampler.server import broadcast
 from nvfp4_sampler.server.plan import TransferPlan
+from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.server.wire import iter_entries
 from tests.test_fused_update import CFG, engine_targets, state
 from tests.test_plan import moe_update
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BAD = "model.layers.1.mlp.experts.2.down_proj.weight_scale"   # its first block: tensor-parallel rank 0's K range
@@ -94,14 +88,14 @@ def _check_ranks(out, world: int) -> list[dict]:
 
 def test_broadcast_to_tensor_parallel_samplers(tmp_path):
     world = 3
-    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), False), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, free_port(), str(tmp_path), False), nprocs=world, join=True)
     for r in _check_ranks(tmp_path, world):
         assert r["received"] == r["whole"]
 
 
 def test_per_rank_updates_send_each_tensor_parallel_rank_its_shard(tmp_path):
     world = 3
-    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), True), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, free_port(), str(tmp_path), True), nprocs=world, join=True)
     for r in _check_ranks(tmp_path, world):
         assert r["received"] < r["whole"], (r["received"], r["whole"])    # experts: half each (test_fused_update)
 
@@ -113,7 +107,7 @@ def test_weight_group_refuses_what_it_cannot_run():
         if kwargs.get("backend") == "nccl" and torch.distributed.is_nccl_available():
             continue
         with pytest.raises(ValueError, match=message):
-            broadcast.WeightGroup("127.0.0.1", _free_port(), **{"rank": 0, "size": 2, **kwargs})
+            broadcast.WeightGroup("127.0.0.1", free_port(), **{"rank": 0, "size": 2, **kwargs})
 
 
 @pytest.mark.gpu
@@ -124,5 +118,5 @@ def test_nccl_updates_between_gpus(tmp_path, per_rank):
     world = min(torch.cuda.device_count(), 3)
     if world < 2:
         pytest.skip("needs two GPUs or more")
-    mp.spawn(_run, args=(world, _free_port(), str(tmp_path), per_rank, "nccl"), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, free_port(), str(tmp_path), per_rank, "nccl"), nprocs=world, join=True)
     _check_ranks(tmp_path, world)

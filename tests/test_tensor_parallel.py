@@ -5,7 +5,6 @@ A row-parallel layer's rank holds a K-slice of every token. With the activation 
 slice of the unsharded (TP=1) quantization bit for bit; without it they do not. Outputs (partial
 GEMMs summed over ranks) equal TP=1 within FP32 summation-order tolerance.
 """
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from nvfp4_sampler.kernels import reference
 from nvfp4_sampler.kernels import NVFP4Tensor
 from nvfp4_sampler.sampler_plugin import layers
 from nvfp4_sampler.sampler_format import Recipe, SamplerConfig
+from nvfp4_sampler.server.process import free_port
 
 WORLD, M, K, N = 2, 37, 256, 48
 
@@ -54,17 +54,11 @@ def _worker(rank: int, port: int, scaling: str, results: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["per_token", "per_tensor"])
 def tp_run(request):
     manager = mp.Manager()
     results = manager.dict()
-    mp.start_processes(_worker, args=(_free_port(), request.param, results), nprocs=WORLD,
+    mp.start_processes(_worker, args=(free_port(), request.param, results), nprocs=WORLD,
                        start_method="spawn", join=True)
     return request.param, dict(results)
 

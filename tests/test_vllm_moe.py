@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, make_llm, prompt_logprobs,
-                                reference_logprobs, reference_model, shutdown, token_ids)
+from tests.vllm_helpers import (NEAR_TIE, assert_greedy_along_own_path, greedy, group_trainer, make_llm,
+                                prompt_logprobs, reference_logprobs, reference_model, shutdown, token_ids)
 
 pytestmark = pytest.mark.engine
 TOL = 1e-3          # float32 engine vs float32 torch forward (see test_vllm_dense.py)
@@ -154,18 +154,6 @@ def test_router_reload_stays_bf16(online, ckpts, ids, base):
     assert torch.equal(prompt_logprobs(online, ids), base)
 
 
-def _trainer(port: int, updates: list[dict[str, torch.Tensor]]) -> list[bool]:
-    """The trainer's side (rank 0 of a gloo weight group with the engine's worker): plans, then each update."""
-    from nvfp4_sampler.server import broadcast
-    from nvfp4_sampler.server.plan import TransferPlan
-    from nvfp4_sampler.server.wire import iter_entries
-
-    group = broadcast.WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120)
-    plans = broadcast.share_rank_plans(TransferPlan.build(iter_entries(updates[0]), bucket_bytes=1 << 16), None,
-                                       group)
-    return [broadcast.send_rank_updates(plans, u, group) for u in updates]
-
-
 def test_per_rank_update_through_a_weight_group(online, ckpts, ids, base):
     """Layer 1's experts of seed 1 (NVFP4 triplets) sent by a trainer thread through a weight group: the
     worker's state holds exactly those tensors after, a corrupted update is refused by the worker and the
@@ -173,7 +161,7 @@ def test_per_rank_update_through_a_weight_group(online, ckpts, ids, base):
     from concurrent.futures import ThreadPoolExecutor
 
     from nvfp4_sampler.kernels.reference import quantize_weight
-    from tests.test_broadcast import _free_port
+    from nvfp4_sampler.server.process import free_port
 
     d = ckpts["dir"]
     new = {}
@@ -186,9 +174,9 @@ def test_per_rank_update_through_a_weight_group(online, ckpts, ids, base):
     bad[f"{EXPERT}.down_proj.weight_scale"] = new[f"{EXPERT}.down_proj.weight_scale"].clone()
     bad[f"{EXPERT}.down_proj.weight_scale"].view(torch.uint8)[3, 1] = 0x7F
     old = {n: before[n] for n in new}
-    port = _free_port()
+    port = free_port()
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(_trainer, port, [new, bad, old])
+        sent = pool.submit(group_trainer, port, 2, [new, bad, old])
         assert rpc(online, "nvfp4_join_weight_group", "127.0.0.1", port, 1, 2, "gloo", 120) == 1
         plan = rpc(online, "nvfp4_share_rank_plans")
         assert plan["entries"] == 2 and plan["rank"] == 1             # w13 and w2 of layer 1, fused
@@ -199,7 +187,7 @@ def test_per_rank_update_through_a_weight_group(online, ckpts, ids, base):
             rpc(online, "nvfp4_receive_rank_update", 22)
         refused = state(online, d / "group_refused.safetensors")
         rpc(online, "nvfp4_receive_rank_update", 23)
-        assert sent.result(timeout=120) == [True, False, True]
+        assert sent.result(timeout=120)[1] == [True, False, True]
     assert report["version"] == 21 and report["tensors"] == len(new) and report["bytes"] == plan["bytes"]
     for n, t in after.items():
         assert torch.equal(as_bytes(t), as_bytes(new[n] if n in new else before[n])), n

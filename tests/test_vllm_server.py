@@ -7,7 +7,6 @@ HTTP `/collective_rpc`. Run: flock /tmp/nvfp4-engine.lock .venv/bin/python -m py
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.testing import models
 from tests.vllm_helpers import EXTENSION, reference_logprobs, reference_model
 
@@ -26,12 +26,6 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Reinforcement learning tra
 LAYER = "model.layers.3.mlp.down_proj.weight"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir():
     return models.smollm2()
@@ -39,7 +33,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--quantization",

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.testing import models
-from tests.test_broadcast import _free_port
-from tests.vllm_helpers import make_llm, prompt_logprobs, seed_checkpoints, shutdown, token_ids
+from tests.vllm_helpers import group_trainer, make_llm, prompt_logprobs, seed_checkpoints, shutdown, token_ids
 
 pytestmark = pytest.mark.engine
 EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
@@ -93,26 +93,14 @@ def test_whole_bf16_update_with_vocab_parallel_embeddings(engine, ckpts, ids, fr
     assert torch.equal(prompt_logprobs(engine, ids), base)
 
 
-def _trainer(port: int, updates: list[dict[str, torch.Tensor]]) -> tuple[dict[int, int], list[bool]]:
-    from nvfp4_sampler.server import broadcast
-    from nvfp4_sampler.server.plan import TransferPlan
-    from nvfp4_sampler.server.wire import iter_entries
-
-    group = broadcast.WeightGroup("127.0.0.1", port, 0, 3, backend="gloo", timeout_s=120)
-    full = TransferPlan.build(iter_entries(updates[0]), bucket_bytes=1 << 16)
-    plans = broadcast.share_rank_plans(full, None, group)
-    sent = [broadcast.send_rank_updates(plans, u, group) for u in updates]
-    return {r: p.plan.nbytes for r, p in plans.items()} | {0: full.nbytes}, sent
-
-
 def test_per_rank_update_through_a_weight_group(engine, ckpts, ids, fresh_1, base, tmp_path):
     """Seed 1's pre-quantized checkpoint (NVFP4 triplets, BF16 embeddings, norms, routers) sent by a trainer
     thread to both workers, each its own rows and K ranges: every rank's state equals the fresh engine's,
     then seed 0's restores the log-probs bit for bit."""
     new, old = (load_file(ckpts[k] / "model.safetensors") for k in ("pq_1", "pq_0"))
-    port = _free_port()
+    port = free_port()
     with ThreadPoolExecutor(1) as pool:
-        trainer = pool.submit(_trainer, port, [new, old])
+        trainer = pool.submit(group_trainer, port, 3, [new, old])
         assert engine.collective_rpc("nvfp4_join_weight_group", args=("127.0.0.1", port, 1, 3, "gloo", 120)) == [1, 2]
         plans = engine.collective_rpc("nvfp4_share_rank_plans")
         engine.collective_rpc("nvfp4_receive_rank_update", args=(11,))

@@ -24,6 +24,22 @@ def seed_checkpoints(folder, build) -> dict:
     return paths | {"dir": folder}
 
 
+def group_trainer(port: int, size: int, updates: list[dict[str, torch.Tensor]], *, timeout_s: float = 120
+                  ) -> tuple[dict[int, int], list[bool]]:
+    """The trainer's side of weight-group updates: rank 0 of a gloo `server.broadcast.WeightGroup` of `size` (the
+    engine's workers the others), per-rank plans of the first update's names, then each update. Returns ({rank: its
+    plan's bytes, 0: the whole plan's}, [whether each update was applied everywhere])."""
+    from nvfp4_sampler.server import broadcast
+    from nvfp4_sampler.server.plan import TransferPlan
+    from nvfp4_sampler.server.wire import iter_entries
+
+    group = broadcast.WeightGroup("127.0.0.1", port, 0, size, backend="gloo", timeout_s=timeout_s)
+    full = TransferPlan.build(iter_entries(updates[0]), bucket_bytes=1 << 16)
+    plans = broadcast.share_rank_plans(full, None, group)
+    sent = [broadcast.send_rank_updates(plans, u, group) for u in updates]
+    return {r: p.plan.nbytes for r, p in plans.items()} | {0: full.nbytes}, sent
+
+
 def make_llm(model, **kwargs):
     """A vLLM CPU engine with the reload extension; prefix caching off so reloads never meet stale KV."""
     from vllm import LLM

@@ -134,24 +134,14 @@ GROUP_EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
 def _group_updates(llm, updates: list[dict]):
     """Rank 0 of a gloo weight group in a thread (the trainer), the engine's worker rank 1, per-rank plans shared;
     returns send(): the next update through the group (after the last, the trainer's results checked)."""
-    import socket
     from concurrent.futures import ThreadPoolExecutor
 
-    from nvfp4_sampler.server import broadcast
-    from nvfp4_sampler.server.plan import TransferPlan
-    from nvfp4_sampler.server.wire import iter_entries
+    from nvfp4_sampler.server.process import free_port
+    from tests.vllm_helpers import group_trainer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    def trainer():
-        group = broadcast.WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=300)
-        plans = broadcast.share_rank_plans(TransferPlan.build(iter_entries(updates[0])), None, group)
-        return [broadcast.send_rank_updates(plans, u, group) for u in updates]
-
+    port = free_port()
     pool = ThreadPoolExecutor(1)
-    sent = pool.submit(trainer)
+    sent = pool.submit(group_trainer, port, 2, updates, timeout_s=300)
     llm.collective_rpc("nvfp4_join_weight_group", args=("127.0.0.1", port, 1, 2, "gloo", 300))
     llm.collective_rpc("nvfp4_share_rank_plans")
     versions = iter(range(10, 10 + len(updates)))
@@ -161,8 +151,8 @@ def _group_updates(llm, updates: list[dict]):
         llm.collective_rpc("nvfp4_receive_rank_update", args=(version,))
         if version == 9 + len(updates):
             pool.shutdown()
-            if sent.result() != [True] * len(updates):
-                raise RuntimeError(f"the trainer's sends: {sent.result()}")
+            if sent.result()[1] != [True] * len(updates):
+                raise RuntimeError(f"the trainer's sends: {sent.result()[1]}")
     return send
 
 
