@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -33,16 +34,14 @@ from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.server.protocol import TensorEntry
 from nvfp4_sampler.testing import manifests
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # run as a script: the repository's `bench`
+from bench.bench_sync import timed  # noqa: E402
+
 E4M3_ONE = 0x38
 
 
 def _device(rank: int, backend: str) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def update_tensors(manifest: list[TensorEntry], device: torch.device) -> dict[str, torch.Tensor]:
@@ -94,21 +93,13 @@ def sampler_targets(cfg: dict, tp_rank: int, tp: int, device: torch.device) -> d
     return t
 
 
-def _timed(device: torch.device, fn) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
 def _roof(group: broadcast.WeightGroup, nbytes: dict[int, int], device: torch.device) -> float:
     """One send of each sampler's bytes from the trainer (all at once), as the per-rank mode moves them."""
     if group.rank == 0:
         bufs = {r: torch.empty(n, dtype=torch.uint8, device=device) for r, n in nbytes.items()}
-        return _timed(device, lambda: [w.wait() for w in [group.send(b, r) for r, b in bufs.items()]])
+        return timed(str(device), lambda: [w.wait() for w in [group.send(b, r) for r, b in bufs.items()]])
     buf = torch.empty(nbytes[group.rank], dtype=torch.uint8, device=device)
-    return _timed(device, lambda: group.recv(buf, 0))
+    return timed(str(device), lambda: group.recv(buf, 0))
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
@@ -137,7 +128,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     result = {"rank": rank, "bytes": nbytes.get(rank, sum(nbytes.values())), "whole_bytes": full.nbytes}
     for mode, fn in modes.items():
         fn()                                                     # warm-up: NCCL communicators, allocations
-        result[mode] = statistics.median(_timed(device, fn) for _ in range(args.repeats))
+        result[mode] = statistics.median(timed(str(device), fn) for _ in range(args.repeats))
     result["roof"] = statistics.median(_roof(group, nbytes, device) for _ in range(args.repeats))
     queue.put(result)
 
