@@ -69,6 +69,7 @@ def test_ipc_and_reload_full_updates_equal_fresh_engine_and_restore(runs, kind):
         assert updated[restored] == updated["start"], restored
     assert updated["codes_4bit_in_place"]
     assert updated["per_tensor_entries"] == []          # the colocated refit wrote every NVFP4 entry whole
+    assert updated["group_sent"] == [True, True]         # the weight group's trainer saw both updates applied
     ratio = updated["bytes"]["ipc_nvfp4"] / updated["bytes"]["ipc_bf16"]
     print(f"{kind}: NVFP4 payload of the quantized layers {ratio:.3f}x their BF16 one")
     assert ratio < 0.30

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 import torch
@@ -27,14 +28,9 @@ EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
 
 def tp2_llm(model):
     """A TP = 2 CPU engine (one core a worker) with the weight-group extension."""
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"         # the workers inherit it when they start
-    try:
+    with mock.patch.dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1"):   # the workers inherit it when they start
         return make_llm(model, quantization="nvfp4_sampler", dtype="float32", tensor_parallel_size=2,
                         distributed_executor_backend="mp", worker_extension_cls=EXTENSION)
-    finally:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND") if bind is None else os.environ.update(
-            VLLM_CPU_OMP_THREADS_BIND=bind)
 
 
 def rank_states(llm, path) -> list[dict[str, torch.Tensor]]:

@@ -19,7 +19,8 @@ start_weight_update -> update_weights -> finish_weight_update. Steps, each follo
                                     --old, on this GPU (no trainer process: colocated RL holds both here);
                                     NVFP4 entries written tensor by tensor recorded in "per_tensor_entries"
   group / group_restored            NVFP4 triplets of --new, then --old, from a trainer thread through a weight group
-                                    (`server.broadcast`, gloo: host buffers; the worker's per-rank plan)
+                                    (`server.broadcast`, gloo: host buffers; the worker's per-rank plan in
+                                    "group_plan", the trainer's verdicts in "group_sent")
   ipc_shard / ext_shard             only q_proj of layer 0 (NVFP4 triplet of --new): one shard of the fused
                                     qkv, through ipc, then restored and sent through our worker extension
   ipc_expert / ext_expert           (MoE) one expert of layer 0 of --new (BF16), the same way
@@ -131,31 +132,6 @@ def push(llm, conn, path: str, *, nvfp4: bool, prefix: str = "") -> int:
 GROUP_EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
 
 
-def _group_updates(llm, updates: list[dict]):
-    """Rank 0 of a gloo weight group in a thread (the trainer), the engine's worker rank 1, per-rank plans shared;
-    returns send(): the next update through the group (after the last, the trainer's results checked)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from nvfp4_sampler.server.process import free_port
-    from tests.vllm_helpers import group_trainer
-
-    port = free_port()
-    pool = ThreadPoolExecutor(1)
-    sent = pool.submit(group_trainer, port, 2, updates, timeout_s=300)
-    llm.collective_rpc("nvfp4_join_weight_group", args=("127.0.0.1", port, 1, 2, "gloo", 300))
-    llm.collective_rpc("nvfp4_share_rank_plans")
-    versions = iter(range(10, 10 + len(updates)))
-
-    def send() -> None:
-        version = next(versions)
-        llm.collective_rpc("nvfp4_receive_rank_update", args=(version,))
-        if version == 9 + len(updates):
-            pool.shutdown()
-            if sent.result()[1] != [True] * len(updates):
-                raise RuntimeError(f"the trainer's sends: {sent.result()[1]}")
-    return send
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -170,9 +146,13 @@ def main() -> None:
     save, step = recorder(args.out, out)
 
     import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
 
     from safetensors.torch import load_file, save_file
     from vllm import LLM
+
+    from nvfp4_sampler.server.process import free_port
+    from tests.vllm_helpers import group_trainer
 
     _importable_ipc_engine()
     t0 = time.time()
@@ -226,17 +206,21 @@ def main() -> None:
 
         step("colocated", lambda: colocated(args.new, 2))
         step("colocated_restored", lambda: colocated(args.old, 3))
-        sender = {}
+        pool, port = ThreadPoolExecutor(1), free_port()        # the trainer: rank 0 of a gloo weight group
+        sent = pool.submit(group_trainer, port, 2, [{n: t.cpu() for n, t in trainer_tensors(p, nvfp4=True)[0].items()}
+                                                     for p in (args.new, args.old)], timeout_s=300)
 
-        def group():                   # the group is joined in the first step
-            if "send" not in sender:
-                sender["send"] = _group_updates(llm, [{n: t.cpu() for n, t in trainer_tensors(p, nvfp4=True)[0].items()}
-                                                      for p in (args.new, args.old)])
-            sender["send"]()
+        def receive(version):
+            llm.collective_rpc("nvfp4_receive_rank_update", args=(version,))
             return observe(llm)
 
-        step("group", group)
-        step("group_restored", group)
+        join = ("127.0.0.1", port, 1, 2, "gloo", 300)                  # the worker: rank 1
+        step("group_plan", lambda: (llm.collective_rpc("nvfp4_join_weight_group", args=join),
+                                    llm.collective_rpc("nvfp4_share_rank_plans"))[1])
+        step("group", lambda: receive(10))
+        step("group_restored", lambda: receive(11))
+        step("group_sent", lambda: sent.result(timeout=300)[1])       # the trainer's verdicts: [True, True]
+        pool.shutdown(wait=False)
         partial = [("shard", f"{SHARD}.", True)]
         if json.loads((Path(args.old) / "config.json").read_text())["model_type"].endswith("_moe"):
             partial.append(("expert", f"{EXPERT}.", False))
