@@ -436,7 +436,7 @@ def kernel_us(fn, repeats: int = 16) -> dict[str, float]:
 # w13's gate and up rows interleaved, one accumulator; the same bits) and the FP16 copies with the dequantization,
 # the default beyond 4096 tokens until the thirtieth session (forms of the twenty-ninth: 128-row tiles)
 EXACT_CODES_CANDIDATES = {"w13 codes interleaved": dict(BLOCK_N=64, num_warps=8, num_stages=4, INTERLEAVE=True)}
-EXACT_FP16_FORMS = {"w13": dict(num_stages=4), "w2": dict(BLOCK_N=256, num_stages=4, GROUP_M=16)}
+EXACT_FP16_FORMS = {"w13": dict(num_stages=4), "w2": dict(BLOCK_N=256, BLOCK_K=64, num_stages=4, GROUP_M=16)}
 
 
 def exact_forms_ms(x, w13, w2, tw, ti) -> dict[str, float]:
