@@ -5,7 +5,7 @@ rank 0 by default.
 Two ways, one verdict:
   * broadcast (`share_plan`, `send_update`, `receive_update`): every rank builds the same
     `TransferPlan` (the source broadcasts the manifest and bucket size once) and receives every
-    bucket through one reused flat buffer; a tensor-parallel rank writes only its shard of each.
+    bucket; a tensor-parallel rank writes only its shard of each.
   * per rank (`share_rank_plans`, `send_rank_updates`, `receive_rank_update`): each sampler rank
     tells the source once what it holds (`commit.held_regions`: its rows and K range of every NVFP4
     tensor, which names at all), and both ends build that rank's plan from the manifest cut to it
@@ -16,8 +16,10 @@ Two ways, one verdict:
 Every sampler rank validates what it received (one pass per value class into a device flag) and
 checks the whole update against its own engine (`commit.apply_fused(check_only=True)`); the
 verdicts are all-reduced (MAX), and only if every rank and every bucket is good does each rank
-write. One bad bucket or one refusing rank leaves every rank's old weights. vLLM workers take part
-through `BroadcastWorkerExtension`.
+write. One bad bucket or one refusing rank leaves every rank's old weights (so a rank holds its
+received buckets until the verdict). The source packs into two buffers a destination, one bucket's
+pack overlapping the transfer of the one before. vLLM workers take part through
+`BroadcastWorkerExtension`.
 """
 from __future__ import annotations
 
@@ -63,14 +65,17 @@ class WeightGroup:
             self._pg = dist.ProcessGroupNCCL(self.store, rank, size, options)
         self._calls = 0
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self._pg.broadcast(tensor, src).wait()
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """Start broadcasting `tensor` from rank src; returns the work to wait for before the tensor is
+        read (a receiver) or reused (the source)."""
+        return self._pg.broadcast(tensor, src)
 
     def send(self, tensor: torch.Tensor, dst: int):
         """Start sending `tensor` to rank dst; returns the work to wait for before the tensor is reused."""
         return self._pg.send([tensor], dst, 0)
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive `tensor` from rank src (filled once this returns, in stream order under NCCL)."""
         self._pg.recv([tensor], src, 0).wait()
 
     def any(self, flag: torch.Tensor) -> bool:
@@ -106,13 +111,30 @@ def share_plan(plan: TransferPlan | None, group: WeightGroup, *, src: int = 0) -
 def send_update(plan: TransferPlan, tensors: Mapping[str, torch.Tensor], group: WeightGroup, *, src: int = 0,
                 device: torch.device | str = "cpu") -> bool:
     """Source rank: broadcast every bucket of `tensors` (checkpoint-named, as `plan.pack` takes
-    them) through one reused buffer on `device`, then take part in the verdict. Returns whether the
-    update was applied everywhere."""
-    flat = plan.new_buffer(device=device)
-    for b, bk in enumerate(plan.buckets):
-        plan.pack(b, tensors, flat)
-        group.broadcast(flat[:bk.nbytes], src)
+    them) through two reused buffers on `device` (`_double_buffered`), then take part in the verdict.
+    Returns whether the update was applied everywhere."""
+    flats = [plan.new_buffer(device=device) for _ in range(2)]
+
+    def start(b: int, slot: int) -> list:
+        plan.pack(b, tensors, flats[slot])
+        return [group.broadcast(flats[slot][:plan.buckets[b].nbytes], src)]
+    _double_buffered(len(plan.buckets), start)
     return not group.any(torch.zeros((), dtype=torch.int32, device=device))
+
+
+def _double_buffered(n: int, start: Callable[[int, int], list]) -> None:
+    """Bucket b = 0 .. n - 1: `start(b, slot)` packs it into buffer `slot` (b % 2) and starts its
+    transfers, returning their works; they are waited for after bucket b + 1 is packed and started,
+    before slot b % 2 is packed again, so the pack of one bucket overlaps the transfer of the one
+    before (twice one bucket's buffer memory a destination)."""
+    pending: list = []
+    for b in range(n):
+        works = start(b, b % 2)
+        for w in pending:
+            w.wait()
+        pending = works
+    for w in pending:
+        w.wait()
 
 
 def receive_update(plan: TransferPlan, targets: Mapping[str, commit.Target], group: WeightGroup, *, config,
@@ -120,7 +142,7 @@ def receive_update(plan: TransferPlan, targets: Mapping[str, commit.Target], gro
     """Sampler rank: receive every bucket, validate, agree with the other ranks, then write (all
     ranks or none). Returns the names written; raises ValueError (on every rank) if any bucket or
     any rank's check failed, with nothing written anywhere."""
-    return _receive(plan, targets, lambda buf: group.broadcast(buf, src), group, config=config, device=device)
+    return _receive(plan, targets, lambda buf: group.broadcast(buf, src).wait(), group, config=config, device=device)
 
 
 class RankPlan(NamedTuple):
@@ -155,19 +177,20 @@ def share_rank_plans(plan: TransferPlan | None, targets: Mapping[str, commit.Tar
 def send_rank_updates(plans: Mapping[int, RankPlan], tensors: Mapping[str, torch.Tensor], group: WeightGroup, *,
                       device: torch.device | str = "cpu") -> bool:
     """Source rank: send each sampler rank the buckets of its plan (`share_rank_plans`), its slices of
-    the checkpoint-named `tensors` packed into one reused buffer per rank, point to point, bucket b to
-    every rank before bucket b + 1; then take part in the verdict. Returns whether the update was
-    applied everywhere."""
-    bufs = {r: p.plan.new_buffer(device=device) for r, p in plans.items()}
+    the checkpoint-named `tensors` packed into two reused buffers per rank (`_double_buffered`), point
+    to point, bucket b to every rank before bucket b + 1; then take part in the verdict. Returns
+    whether the update was applied everywhere."""
+    bufs = {r: [p.plan.new_buffer(device=device) for _ in range(2)] for r, p in plans.items()}
     cut = {r: RankTensors(tensors, p.held) for r, p in plans.items()}
-    for b in range(max((len(p.plan.buckets) for p in plans.values()), default=0)):
+
+    def start(b: int, slot: int) -> list:
         sends = []
         for r, p in plans.items():
             if b < len(p.plan.buckets):
-                p.plan.pack(b, cut[r], bufs[r])
-                sends.append(group.send(bufs[r][:p.plan.buckets[b].nbytes], r))
-        for w in sends:
-            w.wait()
+                p.plan.pack(b, cut[r], bufs[r][slot])
+                sends.append(group.send(bufs[r][slot][:p.plan.buckets[b].nbytes], r))
+        return sends
+    _double_buffered(max((len(p.plan.buckets) for p in plans.values()), default=0), start)
     return not group.any(torch.zeros((), dtype=torch.int32, device=device))
 
 

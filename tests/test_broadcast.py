@@ -100,6 +100,30 @@ def test_per_rank_updates_send_each_tensor_parallel_rank_its_shard(tmp_path):
         assert r["received"] < r["whole"], (r["received"], r["whole"])    # experts: half each (test_fused_update)
 
 
+def test_senders_pack_a_bucket_while_the_one_before_is_in_flight():
+    """The senders' schedule (`_double_buffered`): bucket b is packed into slot b % 2 while bucket b - 1's
+    transfers are still open, and a slot is packed again only after its previous bucket's transfers were
+    waited for; every transfer is waited for before the call returns."""
+    log, open_ = [], set()
+
+    class Work:
+        def __init__(self, b):
+            self.b = b
+
+        def wait(self):
+            open_.discard(self.b)
+            log.append(("wait", self.b))
+
+    def start(b, slot):
+        assert slot == b % 2 and b - 2 not in open_, (b, open_)      # the slot's last bucket is done
+        log.append(("start", b, b - 1 in open_))
+        open_.add(b)
+        return [Work(b)]
+    broadcast._double_buffered(5, start)
+    assert not open_
+    assert [e for e in log if e[0] == "start"] == [("start", 0, False)] + [("start", b, True) for b in range(1, 5)]
+
+
 def test_weight_group_refuses_what_it_cannot_run():
     for kwargs, message in (({"rank": 2, "size": 2}, "rank 2 is not in a weight group of 2"),
                             ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
