@@ -17,10 +17,12 @@ device synchronisation):
 Seconds are scaled x48/--layers to the whole model (embeddings and lm_head counted once per layer count
 here, so slightly over-scaled below 48). Memory: the BF16 process holds the model twice (engine and
 trainer, ~123 GB at 48 layers: an H200), the nvfp4 one the trainer's BF16, the engine's NVFP4 and the
-refit's buffers (~95 GB); 24 layers fit an 80 GB GPU.
+refit's buffers (~95 GB); 24 layers fit an 80 GB GPU, and so do 48 with --distinct-layers 12 (the trainer's
+layers alias 12 layers' storage, `bench_sync.model_tensors`: every update still reads each layer's bytes).
 
-    python3 bench/bench_sync_vllm.py [--layers 8] [--repeats 3] [--out FILE.json]
-(on the device: `bash bench/h200.sh bench_sync_vllm`, `bench_sync_vllm_24`, `bench_sync_vllm_whole`)
+    python3 bench/bench_sync_vllm.py [--layers 8] [--repeats 3] [--distinct-layers N] [--out FILE.json]
+(on the device: `bash bench/h200.sh bench_sync_vllm`, `bench_sync_vllm_24`, `bench_sync_vllm_48`,
+`bench_sync_vllm_whole`)
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def engine_folders(cfg: dict, tmp: Path) -> dict[str, Path]:
     return {"nvfp4_sampler": write_nvfp4_folder(cfg, tmp / "nvfp4"), "bf16": bf16}
 
 
-def worker(folder: str, quant: str, repeats: int, out: str) -> None:
+def worker(folder: str, quant: str, repeats: int, distinct: int | None, out: str) -> None:
     """One engine: time every path it serves, write {path: {"first", "median", "runs"}} to `out`."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -71,7 +73,7 @@ def worker(folder: str, quant: str, repeats: int, out: str) -> None:
               enable_prefix_caching=False, seed=0, worker_extension_cls=EXTENSION, **gpu)
     model = llm.llm_engine.model_executor.driver_worker.model_runner.model
     config = json.loads((Path(folder) / "config.json").read_text())
-    state = model_tensors(config, device)
+    state = model_tensors(config, device, distinct)
     # load_weights takes checkpoint names (one tensor per expert): views of the trainer's fused tensors
     named = [(m.name, t if m.index is None else t[m.index])
              for n, t in state.items() for m in name_map.expand(n, tuple(t.shape))]
@@ -104,11 +106,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="check of the script: 1 layer, 8 experts, 1 repeat (CPU: the "
                     "nvfp4_sampler engine only)")
+    ap.add_argument("--distinct-layers", type=int, default=None,
+                    help="trainer layers with storage of their own (the rest alias them): 48 layers on 80 GB")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=3, metavar=("FOLDER", "QUANT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.repeats, args.worker[2])
+        worker(args.worker[0], args.worker[1], args.repeats, args.distinct_layers, args.worker[2])
         return 0
     import torch
 
@@ -123,7 +127,7 @@ def main() -> int:
     if args.quick:
         cfg, args.layers, args.repeats = cfg | QUICK, 1, 1
     device = torch.cuda.get_device_name() if cuda else f"CPU x{os.cpu_count()}"
-    results: dict = {"device": device, "layers": args.layers, "engines": {}}
+    results: dict = {"device": device, "layers": args.layers, "distinct_layers": args.distinct_layers, "engines": {}}
     with tempfile.TemporaryDirectory(prefix="bench-sync-vllm-") as tmp:
         t0 = time.perf_counter()
         folders = engine_folders(cfg, Path(tmp))
@@ -133,8 +137,9 @@ def main() -> int:
             del folders["bf16"]
         for quant, folder in folders.items():
             out = Path(tmp) / f"{quant}.json"
-            proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--worker", str(folder),
-                                   quant, str(out)], cwd=ROOT, capture_output=True, text=True)
+            distinct = ["--distinct-layers", str(args.distinct_layers)] if args.distinct_layers else []
+            proc = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), *distinct, "--worker",
+                                   str(folder), quant, str(out)], cwd=ROOT, capture_output=True, text=True)
             results["engines"][quant] = json.loads(out.read_text()) if out.exists() else {}
             if proc.returncode:
                 results["engines"][quant]["error"] = proc.stderr[-3000:]

@@ -64,6 +64,9 @@ step() {   # step NAME: its timeout (s) and command
     broadcast_nccl) limit=300; cmd="python3 -m pytest -q -rA -m gpu tests/test_broadcast.py" ;;
     sync_nccl) limit=575; cmd="python3 bench/bench_sync_nccl.py --tp 1 --layers 48 --out $OUT/sync_nccl_tp1.json" ;;
     sync_nccl_tp2) limit=575; cmd="python3 bench/bench_sync_nccl.py --tp 2 --layers 48 --out $OUT/sync_nccl_tp2.json" ;;
+    # the same on an 80 GB GPU: the trainer's 48 BF16 layers alias 12 layers' storage (each update reads all 48)
+    bench_sync_vllm_48) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 48 --repeats 2 --distinct-layers 12
+                              --out $OUT/bench_sync_vllm_48.json" ;;
     bench_sync_vllm_whole) limit=575; cmd="python3 bench/bench_sync_vllm.py --layers 48 --repeats 2
                               --out $OUT/bench_sync_vllm_whole.json" ;;
     diagnose)  limit=480; cmd="python3 bench/diagnose_h200.py --out $OUT/diagnose" ;;

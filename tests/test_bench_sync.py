@@ -53,10 +53,12 @@ def test_colocated_vllm_bench_runs_on_the_cpu(tmp_path):
     trainer's fused BF16 state built beside it, the colocated refit and load_weights with per-expert names timed."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "bench/bench_sync_vllm.py", "--quick", "--out", str(out)], cwd=root,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "bench/bench_sync_vllm.py", "--quick", "--distinct-layers", "1", "--out",
+                          str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    nv = json.loads(out.read_text())["engines"]["nvfp4_sampler"]
+    results = json.loads(out.read_text())
+    nv = results["engines"]["nvfp4_sampler"]
+    assert results["distinct_layers"] == 1                               # handed to the engine's worker process
     assert nv["colocated_entries"] == 12 and nv["colocated_report"]["version"] == 2    # a first update and one repeat
     assert len(nv["nvfp4 load_weights"]["runs"]) == 2 and "| nvfp4 colocated |" in res.stdout
 
