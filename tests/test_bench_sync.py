@@ -58,7 +58,7 @@ def test_colocated_vllm_bench_runs_on_the_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     results = json.loads(out.read_text())
     nv = results["engines"]["nvfp4_sampler"]
-    assert results["distinct_layers"] == 1                               # handed to the engine's worker process
+    assert results["distinct_layers"] == 1                               # the engine process ran with it
     assert nv["colocated_entries"] == 12 and nv["colocated_report"]["version"] == 2    # a first update and one repeat
     assert len(nv["nvfp4 load_weights"]["runs"]) == 2 and "| nvfp4 colocated |" in res.stdout
 
