@@ -40,7 +40,7 @@ class Requirements:
 
     op: one of OPS. scaling: activation scaling, "per_token" or "per_tensor". amax_override: the
     layer passes its own activation amax (tensor-parallel row-parallel layers, all-reduced over
-    ranks). k: the reduction size K of the layer (of the first GEMM for MoE), None if unknown.
+    ranks; MoE experts split over tensor-parallel ranks: the SwiGLU rows' amax, `reference.moe` row_amax). k: the reduction size K of the layer (of the first GEMM for MoE), None if unknown.
     dtype: the activations' dtype, None if unknown.
     strict: batch-invariant execution (`SamplerConfig.strict`): every output summed in an order that
     depends on the weight shape only, never on M or the other rows. rows: the row count of each
@@ -67,8 +67,6 @@ def _common_checks(req: Requirements) -> tuple[bool, str]:
         return False, f"K={req.k} is not a multiple of {BLOCK}"
     if req.op == "moe" and req.scaling != "per_token":
         return False, "MoE experts implement per-token activation scaling only"
-    if req.op == "moe" and req.amax_override:
-        return False, "MoE experts take no activation amax override"
     if req.strict and req.scaling != "per_token":
         return False, "strict needs per-token activation scaling (a per-tensor scale depends on the batch)"
     return True, ""
@@ -125,10 +123,11 @@ class ReferenceBackend:
                                         accumulate=_accumulate(strict)), bad)
 
     @staticmethod
-    def moe(x, w13, w2, topk_weights, topk_ids, *, op_order: str = "vllm", strict: bool = False) -> torch.Tensor:
+    def moe(x, w13, w2, topk_weights, topk_ids, *, op_order: str = "vllm", strict: bool = False,
+            row_amax=None) -> torch.Tensor:
         x, bad = _split_nonfinite(x, per_token=True)
         return _poison(reference.moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order,
-                                     accumulate=_accumulate(strict)), bad)
+                                     accumulate=_accumulate(strict), row_amax=row_amax), bad)
 
 
 def _accumulate(strict: bool) -> str:
@@ -178,6 +177,9 @@ class TritonHopperBackend:
     @staticmethod
     def can_implement(req: Requirements) -> tuple[bool, str]:
         ok, reason = _common_checks(req)
+        if ok and req.op == "moe" and req.amax_override:
+            return False, ("the MoE kernels quantize each SwiGLU row with its own amax; experts split over "
+                           "tensor-parallel ranks need the whole row's (an all-reduce between w13 and w2)")
         if ok and req.strict and req.op == "linear":
             return False, "strict linears run on hopper_mma (the batch-invariant cuda_mma kernel at every M)"
         return (ok, reason) if not ok else (True, "the Triton kernels implement every op (amax override included)")
@@ -302,6 +304,11 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
         if ok and req.strict and backend == "auto" and name == "reference" and device.type != "cpu":
             ok, reason = False, (f"not chosen for strict on {device.type} by 'auto' (fp64 matmuls in plain torch, "
                                  f"orders of magnitude slower); force backend 'reference' to run it anyway")
+        if ok and req.op == "moe" and req.amax_override and backend == "auto" and name == "reference" \
+                and device.type != "cpu":
+            ok, reason = False, (f"not chosen for MoE experts split over tensor-parallel ranks on {device.type} by "
+                                 f"'auto' (plain torch, orders of magnitude slower than the kernels); force backend "
+                                 f"'reference' to run it anyway")
         if ok:
             ok, reason = BACKENDS[name].can_implement(req)
         if ok:

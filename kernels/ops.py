@@ -14,6 +14,7 @@ one); flags are keyword-only. Weights are passed as their three storage tensors 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,7 +68,7 @@ def _linear_fake(x, codes, block_scales, global_scale, bias, amax, *, scaling, o
 @torch.library.custom_op("nvfp4_sampler::moe", mutates_args=())
 def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
         w2_block_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor, *,
-        op_order: str, backend: str, strict: bool = False) -> Tensor:
+        op_order: str, backend: str, strict: bool = False, amax_group: Optional[str] = None) -> Tensor:
     """W4A4 SwiGLU experts with per-token activations; routing already done by the caller.
 
     Parameters
@@ -89,20 +90,35 @@ def moe(x: Tensor, w13_codes: Tensor, w13_block_scales: Tensor, w13_global_scale
         A `kernels.dispatch.BACKENDS` name, chosen at load.
     strict : bool
         Batch-invariant sums (`SamplerConfig.strict`): a token's output does not depend on the other tokens.
+    amax_group : str, optional
+        On a tensor-parallel rank holding a slice of the intermediate size I (I here is this rank's): the
+        name of the ranks' process group, over which each SwiGLU row's amax is all-reduced (MAX) before
+        its quantization for w2, so every rank quantizes with the whole row's scale (a backend whose
+        `can_implement` takes an amax override for MoE; chosen at load).
 
     Returns
     -------
     Tensor
-        [T, H] in x.dtype: sum over k of topk_weights * down(silu(gate(x)) * up(x)).
+        [T, H] in x.dtype: sum over k of topk_weights * down(silu(gate(x)) * up(x)); under amax_group this
+        rank's partial sum (over its slice of I), which the engine all-reduces.
     """
     w13 = NVFP4Tensor(w13_codes, w13_block_scales, w13_global_scale)
     w2 = NVFP4Tensor(w2_codes, w2_block_scales, w2_global_scale)
-    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order, strict=strict)
+    extra = {} if amax_group is None else {"row_amax": functools.partial(_all_reduce_max, group=amax_group)}
+    return dispatch.BACKENDS[backend].moe(x, w13, w2, topk_weights, topk_ids, op_order=op_order, strict=strict,
+                                          **extra)
+
+
+def _all_reduce_max(t: Tensor, *, group: str) -> Tensor:
+    """t all-reduced (MAX) in place over the process group named `group`."""
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                 group=torch.distributed.distributed_c10d._resolve_process_group(group))
+    return t
 
 
 @moe.register_fake
 def _moe_fake(x, w13_codes, w13_block_scales, w13_global_scale, w2_codes, w2_block_scales, w2_global_scale,
-              topk_weights, topk_ids, *, op_order, backend, strict=False):
+              topk_weights, topk_ids, *, op_order, backend, strict=False, amax_group=None):
     return torch.empty_like(x)
 
 

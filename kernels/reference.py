@@ -27,6 +27,8 @@ TransformerEngine differ from it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nvfp4_sampler.sampler_format import OP_ORDERS, WEIGHT_RECIPES
@@ -317,10 +319,13 @@ def linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None = None,
 
 
 def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor, *, accumulate: str = "fp32", op_order: str = "vllm") -> torch.Tensor:
+        topk_ids: torch.Tensor, *, accumulate: str = "fp32", op_order: str = "vllm",
+        row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """W4A4 SwiGLU MoE with per-token activations. Routing is done by the caller.
     accumulate: as in `nvfp4_gemm` ("fp64" = strict, batch-invariant). op_order: the activation
-    quantizer's, "vllm" (default) or "te".
+    quantizer's, "vllm" (default) or "te". row_amax: on a tensor-parallel rank, which holds a slice of
+    the intermediate size I (w13's gate and up rows, w2's K), the whole SwiGLU rows' amax from this
+    rank's: fp32 [T, k] -> [T, k] (an all-reduce MAX over the ranks); None: this rank holds all of I.
 
     x [T, H] float; w13 [E, 2I, H] (gate rows then up rows, global_scale [E]); w2 [E, H, I];
     topk_weights [T, k] float; topk_ids [T, k] int. Returns [T, H] in x.dtype.
@@ -330,13 +335,17 @@ def moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.
     a = quantize_per_token(x, op_order=op_order)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = w13.shape[1] // 2
-    for e in topk_ids.unique().tolist():
-        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        we13 = _expert(w13, e)
-        h = nvfp4_gemm(_rows(a, tok), we13, out_dtype=torch.float32, accumulate=accumulate)   # [t, 2I]
-        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
-        y = nvfp4_gemm(quantize_per_token(act, op_order=op_order), _expert(w2, e), out_dtype=torch.float32,
-                       accumulate=accumulate)
+    experts = [(e, *(topk_ids == e).nonzero(as_tuple=True)) for e in topk_ids.unique().tolist()]
+    act = torch.empty((*topk_ids.shape, inter), dtype=x.dtype, device=x.device)       # [T, k, I]
+    for e, tok, slot in experts:
+        h = nvfp4_gemm(_rows(a, tok), _expert(w13, e), out_dtype=torch.float32, accumulate=accumulate)  # [t, 2I]
+        act[tok, slot] = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+    amax = act.abs().float().amax(-1)
+    if row_amax is not None:
+        amax = row_amax(amax)
+    for e, tok, slot in experts:
+        y = nvfp4_gemm(quantize_per_token(act[tok, slot], row_amax=amax[tok, slot], op_order=op_order),
+                       _expert(w2, e), out_dtype=torch.float32, accumulate=accumulate)
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
 

@@ -321,12 +321,16 @@ class ExpertsCore(LayerCore):
     storages = ("w13", "w2")
 
     def create_experts(self, layer: torch.nn.Module, *, num_experts: int, hidden: int, inter: int,
-                       tp_rank: int = 0, tp_size: int = 1, top_k: int | None = None,
+                       tp_rank: int = 0, tp_size: int = 1, tp_group=None, top_k: int | None = None,
                        dtype: torch.dtype | None = None) -> None:
         """Register the expert parameters (`inter`: the intermediate size on this rank) and choose the backend.
-        top_k, dtype: the routing's experts per token and the activations' dtype (the load-time warm-up's
-        forwards; without top_k it runs none)."""
-        layer.nvfp4_top_k, layer.nvfp4_dtype = top_k, dtype
+        tp_group: with tp_size > 1, the ranks' process group (each SwiGLU row's amax is all-reduced over it,
+        `layers.apply_moe`). top_k, dtype: the routing's experts per token and the activations' dtype (the
+        load-time warm-up's forwards; without top_k it runs none)."""
+        if (tp_size > 1) != (tp_group is not None):
+            raise ValueError(f"nvfp4_sampler: {self.prefix}: tp_size {tp_size} needs a tensor-parallel group "
+                             f"exactly when it is above 1")
+        layer.nvfp4_top_k, layer.nvfp4_dtype, layer.nvfp4_tp_group = top_k, dtype, tp_group
         if self.config.recipe.activation_scaling != "per_token":
             raise ValueError(f"nvfp4_sampler: {self.prefix}: MoE experts support activation_scaling="
                              f"'per_token' only, got {self.config.recipe.activation_scaling!r}")
@@ -335,7 +339,7 @@ class ExpertsCore(LayerCore):
                                   name=f"{self.prefix}.*.down_proj (intermediate size per tensor-parallel rank)")
         layer.nvfp4_experts = [layers.expert_shards(self.prefix, e, hidden=hidden, inter=inter, tp_rank=tp_rank,
                                                     tp_size=tp_size) for e in range(num_experts)]
-        self._register(layer, {"w13": w13, "w2": w2}, _load_experts, op="moe", k=hidden)
+        self._register(layer, {"w13": w13, "w2": w2}, _load_experts, op="moe", k=hidden, tp_amax=tp_group is not None)
 
     def shards(self, layer: torch.nn.Module) -> list[tuple[str, layers.Shard]]:
         return [("w2" if sid == "w2" else "w13", s) for expert in layer.nvfp4_experts for sid, s in expert.items()]
@@ -348,11 +352,12 @@ class ExpertsCore(LayerCore):
                         topk_ids: torch.Tensor) -> torch.Tensor:
         w13 = NVFP4Tensor(layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2)
         w2 = NVFP4Tensor(layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2)
-        return layers.apply_moe(x, w13, w2, topk_weights, topk_ids, config=self.config, backend=layer.nvfp4_backend)
+        return layers.apply_moe(x, w13, w2, topk_weights, topk_ids, config=self.config, backend=layer.nvfp4_backend,
+                                tp_group=layer.nvfp4_tp_group)
 
     def _warm_up_forward(self, layer: torch.nn.Module, tokens: int) -> bool:
         k = layer.nvfp4_top_k
-        if not k:
+        if not k or layer.nvfp4_tp_group is not None:     # its amax all-reduce: every rank would have to join
             return False
         experts, _, half_hidden = layer.w13_weight.shape              # codes: two per byte
         device = layer.w13_weight.device

@@ -342,11 +342,17 @@ def apply_linear(x: torch.Tensor, w: NVFP4Tensor, *, bias: torch.Tensor | None, 
 
 
 def apply_moe(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, config: SamplerConfig, backend: str | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, config: SamplerConfig, backend: str | None = None,
+              tp_group=None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] gate rows then up rows; w2 [E, H, I]; routing given -> [T, H]
-    (`torch.ops.nvfp4_sampler.moe`). backend: as in `apply_linear`."""
+    (`torch.ops.nvfp4_sampler.moe`). backend: as in `apply_linear`. tp_group: the process group of the
+    tensor-parallel ranks over which I is split (each holds I / tp of every expert): each SwiGLU row's
+    amax is all-reduced over it before the row is quantized for w2, as the unsharded layer quantizes it;
+    the result is this rank's partial sum, which the engine all-reduces."""
     if backend is None:
-        backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1])
+        backend = choose_backend(config, op="moe", name="moe", device=x.device, k=x.shape[-1],
+                                 tp_amax=tp_group is not None)
     return torch.ops.nvfp4_sampler.moe(x, w13.codes, w13.block_scales, w13.global_scale, w2.codes, w2.block_scales,
                                        w2.global_scale, topk_weights, topk_ids, op_order=config.recipe.op_order,
-                                       backend=backend, strict=config.strict)
+                                       backend=backend, strict=config.strict,
+                                       amax_group=None if tp_group is None else tp_group.group_name)

@@ -3,7 +3,9 @@
 A row-parallel layer's rank holds a K-slice of every token. With the activation amax all-reduced
 (MAX) over the group, each rank's codes, block scales and per-token scales equal the matching
 slice of the unsharded (TP=1) quantization bit for bit; without it they do not. Outputs (partial
-GEMMs summed over ranks) equal TP=1 within FP32 summation-order tolerance.
+GEMMs summed over ranks) equal TP=1 within FP32 summation-order tolerance. MoE experts split over the
+ranks (each holds I / 2 of every expert) likewise: each SwiGLU row's amax all-reduced before its
+quantization for w2 (`layers.apply_moe(tp_group=...)`), the summed outputs equal TP=1 within that tolerance.
 """
 
 import pytest
@@ -87,3 +89,47 @@ def test_tp2_output_equals_tp1(tp_run):
     for _, _, out in results.values():
         assert ((out - tp1).abs() <= K * 2.0 ** -24 * abs_acc).all()
         assert out.abs().max() > 0
+
+
+E, H, I, T, TOP = 4, 32, 64, 9, 2                  # MoE: each rank holds I / 2 of every expert
+
+
+def _moe_inputs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g)
+    w13 = reference.quantize_weight(torch.randn(E, 2 * I, H, generator=g) * 0.3)
+    w2 = reference.quantize_weight(torch.randn(E, H, I, generator=g) * 0.3)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP] for _ in range(T)])
+    return x, w13, w2, torch.rand(T, TOP, generator=g), ids
+
+
+def _moe_worker(rank: int, port: int, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        x, w13, w2, tw, ids = _moe_inputs()
+        half = I // WORLD
+        rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), I + torch.arange(rank * half, (rank + 1) * half)])
+        w13_r = NVFP4Tensor(w13.codes[:, rows].contiguous(), w13.block_scales[:, rows].contiguous(), w13.global_scale)
+        w2_r = NVFP4Tensor(_slice(w2.codes, rank).contiguous(), _slice(w2.block_scales, rank).contiguous(),
+                           w2.global_scale)
+        cfg = SamplerConfig(backend="reference")
+        outs = []
+        for group in (dist.group.WORLD, None):        # the SwiGLU rows' amax all-reduced, then each rank's own
+            out = layers.apply_moe(x, w13_r, w2_r, tw, ids, config=cfg, tp_group=group)
+            dist.all_reduce(out)                       # the engine's reduction of the ranks' partial sums
+            outs.append(out)
+        results[rank] = outs
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_moe_equals_tp1_with_the_swiglu_rows_amax_all_reduced():
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.start_processes(_moe_worker, args=(free_port(), results), nprocs=WORLD, start_method="spawn", join=True)
+    x, w13, w2, tw, ids = _moe_inputs()
+    tp1 = reference.moe(x, w13, w2, tw, ids)
+    for shared, own in results.values():
+        # the same codes and scales on every rank as unsharded; only the FP32 partial sums' order differs
+        assert torch.allclose(shared, tp1, rtol=1e-5, atol=1e-5 * tp1.abs().max().item())
+        assert (own - tp1).abs().max() > 100 * (shared - tp1).abs().max()

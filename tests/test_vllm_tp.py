@@ -1,7 +1,8 @@
 """vLLM nvfp4_sampler with tensor parallelism 2 on the CPU (two worker processes, gloo): the tiny random
 Qwen3-MoE, whose experts, q / k / v, o_proj and vocab-parallel embedding and head are split over the ranks.
 
-Engines (float32, one at a time): a fresh one on seed 1's BF16 checkpoint (its per-rank state and log-probs
+Sharded log-probs equal the torch reference of the W4A4 model within TOL (the row-parallel inputs' and the
+experts' SwiGLU rows' amax all-reduced). Engines (float32, one at a time): a fresh one on seed 1's BF16 checkpoint (its per-rank state and log-probs
 are the expected results), then one on seed 0 that takes the updates. Updates of the whole model equal the
 fresh engine bit for bit on every rank: through `nvfp4_apply_update` (a BF16 file, the embedding and head
 cut to each rank's vocabulary rows) and from a trainer through a weight group, each worker sent only its
@@ -20,10 +21,12 @@ from safetensors.torch import load_file
 
 from nvfp4_sampler.server.process import free_port
 from nvfp4_sampler.testing import models
-from tests.vllm_helpers import group_trainer, make_llm, prompt_logprobs, seed_checkpoints, shutdown, token_ids
+from tests.vllm_helpers import group_trainer, make_llm, prompt_logprobs, reference_logprobs, reference_model
+from tests.vllm_helpers import seed_checkpoints, shutdown, token_ids
 
 pytestmark = pytest.mark.engine
 EXTENSION = "nvfp4_sampler.server.broadcast.BroadcastWorkerExtension"
+TOL = 1e-3                                   # float32 engine against the float32 torch forward (test_vllm_moe)
 
 
 def tp2_llm(model):
@@ -77,6 +80,13 @@ def engine(ckpts, fresh_1):
 @pytest.fixture(scope="module")
 def base(engine, ids):
     return prompt_logprobs(engine, ids)
+
+
+def test_sharded_logprobs_equal_torch_reference(ckpts, ids, base):
+    """Each rank quantizes its part of every row-parallel input (o_proj, every expert's down projection) with the
+    whole row's scale (the amax all-reduced): the W4A4 model's torch reference within TOL (the ranks' partial sums
+    are added in another order). Per-rank SwiGLU amaxes (before the experts' all-reduce) missed it by 0.42."""
+    assert (base - reference_logprobs(reference_model(ckpts["bf16_0"]), ids)).abs().max().item() < TOL
 
 
 def test_whole_bf16_update_with_vocab_parallel_embeddings(engine, ckpts, ids, fresh_1, base, tmp_path):
