@@ -11,7 +11,7 @@ adapter (`sglang/updates.py`) wraps SGLang's update paths with it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -121,16 +121,30 @@ def check_update(load_weights, model: torch.nn.Module, weights: list[tuple[str, 
             raise UpdateRejected(f"nvfp4_sampler: weight update refused, no tensor written: {e}") from e
 
 
+def _alone(refusal: UpdateRejected | None) -> None:
+    if refusal is not None:
+        raise refusal
+
+
 @contextlib.contextmanager
-def checked_loads(model: torch.nn.Module, *, default_loader) -> Iterator[None]:
+def checked_loads(model: torch.nn.Module, *, default_loader,
+                  agree: Callable[[UpdateRejected | None], None] = _alone) -> Iterator[None]:
     """Within the block, every `model.load_weights(weights)` call runs `check_update` first.
-    default_loader: the engine's loader of parameters that have none of their own."""
+    default_loader: the engine's loader of parameters that have none of their own. agree: called on
+    every rank with its refusal (or None) between the check and the write; raises UpdateRejected on
+    every rank if any rank refused (tensor-parallel ranks each check their own shards), so that all
+    ranks write or none. The default: this process alone."""
     original = model.load_weights
     shadowed = model.__dict__.get("load_weights", _MISSING)
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]):
         weights = list(weights)
-        check_update(original, model, weights, default_loader=default_loader)
+        try:
+            check_update(original, model, weights, default_loader=default_loader)
+            refusal = None
+        except UpdateRejected as e:
+            refusal = e
+        agree(refusal)
         return original(weights)
 
     model.load_weights = load_weights

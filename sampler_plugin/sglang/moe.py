@@ -2,11 +2,14 @@
 
 No SGLang MoE runner: SGLang's TopK routes as the model defines it, `apply` takes the dispatch output
 (hidden states, topk weights and ids) and returns a StandardCombineInput. Options the experts do not
-compute (parallelism, biases, non-SwiGLU activations, shared experts, ...) are refused at start-up.
+compute (expert parallelism, biases, non-SwiGLU activations, shared experts, ...) are refused at start-up;
+under tensor parallelism each rank holds I / tp of every expert, the SwiGLU rows' amax is all-reduced over
+SGLang's MoE tensor-parallel group (`core.ExpertsCore`), and SGLang all-reduces the layer's output.
 """
 from __future__ import annotations
 
 import torch
+from sglang.srt.distributed.parallel_state import get_moe_tp_group
 from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
@@ -18,12 +21,14 @@ class NVFP4MoEMethod(ExpertsCore, FusedMoEMethodBase):
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        if layer.moe_tp_size != 1 or layer.moe_ep_size != 1:
-            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: tensor or expert parallelism is not supported "
-                                      f"by the SGLang adapter yet (moe tp_size and ep_size must be 1)")
+        if layer.moe_ep_size != 1:
+            raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: expert parallelism is not supported by the "
+                                      f"SGLang adapter yet (moe ep_size must be 1; tensor parallelism is)")
         if extra_weight_attrs.get("with_bias"):
             raise NotImplementedError(f"nvfp4_sampler: {self.prefix}: MoE experts with biases are not supported")
         self.create_experts(layer, num_experts=num_experts, hidden=hidden_size, inter=intermediate_size_per_partition,
+                            tp_rank=layer.moe_tp_rank, tp_size=layer.moe_tp_size,
+                            tp_group=get_moe_tp_group().device_group if layer.moe_tp_size > 1 else None,
                             top_k=getattr(layer, "top_k", None), dtype=params_dtype)
 
     def create_moe_runner(self, layer: torch.nn.Module, moe_runner_config) -> None:

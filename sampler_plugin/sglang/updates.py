@@ -18,6 +18,7 @@ import contextlib
 import logging
 
 import torch
+from sglang.srt.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 from .. import updates
@@ -30,8 +31,23 @@ _WRAPPED = ("update_weights_from_tensor", "update_weights_from_disk", "load_weig
 
 
 def checked_loads(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """`updates.checked_loads` with SGLang's default loader (parameters without a loader of their own)."""
-    return updates.checked_loads(model, default_loader=default_weight_loader)
+    """`updates.checked_loads` with SGLang's default loader (parameters without a loader of their own),
+    the verdict agreed over the tensor-parallel group (`agree_over_tp`)."""
+    return updates.checked_loads(model, default_loader=default_weight_loader, agree=agree_over_tp)
+
+
+def agree_over_tp(refusal: UpdateRejected | None) -> None:
+    """Every tensor-parallel rank's verdict on one `load_weights` call (all-reduce MAX over the group's
+    CPU side): raises on every rank if any refused, its own message where it refused."""
+    tp = get_tp_group() if model_parallel_is_initialized() else None
+    if tp is not None and tp.world_size > 1:
+        flag = torch.tensor([refusal is not None], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=tp.cpu_group)
+        if refusal is None and flag.item():
+            refusal = UpdateRejected("nvfp4_sampler: weight update refused, no tensor written: another "
+                                     "tensor-parallel rank refused it (its log names the tensor)")
+    if refusal is not None:
+        raise refusal
 
 
 def atomic_update(original, updater, *args, **kwargs):
