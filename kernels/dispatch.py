@@ -40,7 +40,8 @@ class Requirements:
 
     op: one of OPS. scaling: activation scaling, "per_token" or "per_tensor". amax_override: the
     layer passes its own activation amax (tensor-parallel row-parallel layers, all-reduced over
-    ranks; MoE experts split over tensor-parallel ranks: the SwiGLU rows' amax, `reference.moe` row_amax). k: the reduction size K of the layer (of the first GEMM for MoE), None if unknown.
+    ranks; MoE experts split over tensor-parallel ranks: the SwiGLU rows' amax, `reference.moe` row_amax).
+    k: the reduction size K of the layer (of the first GEMM for MoE), None if unknown.
     dtype: the activations' dtype, None if unknown.
     strict: batch-invariant execution (`SamplerConfig.strict`): every output summed in an order that
     depends on the weight shape only, never on M or the other rows. rows: the row count of each
@@ -299,16 +300,14 @@ def choose_backend(device: torch.device | str, backend: str = "auto", *, req: Re
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown NVFP4 backend {backend!r}; known: {sorted(BACKENDS)} or 'auto'")
     reasons = []
+    # what only the plain-torch reference runs off the CPU, orders of magnitude slower: 'auto' does not pick it
+    slow = ("strict (fp64 matmuls in plain torch)" if req.strict else "MoE experts split over tensor-parallel ranks "
+            "(plain torch)" if req.op == "moe" and req.amax_override else None)
     for name in ([backend] if backend != "auto" else PRIORITY):
         ok, reason = BACKENDS[name].is_supported(device)
-        if ok and req.strict and backend == "auto" and name == "reference" and device.type != "cpu":
-            ok, reason = False, (f"not chosen for strict on {device.type} by 'auto' (fp64 matmuls in plain torch, "
-                                 f"orders of magnitude slower); force backend 'reference' to run it anyway")
-        if ok and req.op == "moe" and req.amax_override and backend == "auto" and name == "reference" \
-                and device.type != "cpu":
-            ok, reason = False, (f"not chosen for MoE experts split over tensor-parallel ranks on {device.type} by "
-                                 f"'auto' (plain torch, orders of magnitude slower than the kernels); force backend "
-                                 f"'reference' to run it anyway")
+        if ok and slow and backend == "auto" and name == "reference" and device.type != "cpu":
+            ok, reason = False, (f"not chosen for {slow} on {device.type} by 'auto', orders of magnitude slower; "
+                                 f"force backend 'reference' to run it anyway")
         if ok:
             ok, reason = BACKENDS[name].can_implement(req)
         if ok:

@@ -108,7 +108,8 @@ def _moe_worker(rank: int, port: int, results: dict) -> None:
     try:
         x, w13, w2, tw, ids = _moe_inputs()
         half = I // WORLD
-        rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), I + torch.arange(rank * half, (rank + 1) * half)])
+        mine = torch.arange(rank * half, (rank + 1) * half)
+        rows = torch.cat([mine, I + mine])                     # this rank's gate rows, then its up rows
         w13_r = NVFP4Tensor(w13.codes[:, rows].contiguous(), w13.block_scales[:, rows].contiguous(), w13.global_scale)
         w2_r = NVFP4Tensor(_slice(w2.codes, rank).contiguous(), _slice(w2.block_scales, rank).contiguous(),
                            w2.global_scale)
